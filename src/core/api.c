@@ -1,0 +1,391 @@
+/* The public entry points: argument checks common to every backend, object life cycles,
+ * and the hand-off to the backend. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/internal.h"
+
+/* ---- backends ------------------------------------------------------------------------- */
+
+const char *epx_backend_name(epx_backend_t backend) {
+  switch (backend) {
+    case EPX_BACKEND_HOST: return "host";
+    case EPX_BACKEND_CUDA: return "cuda";
+    case EPX_BACKEND_AUTO: return "auto";
+  }
+  return "unknown";
+}
+
+epx_status_t epx_backend_available(epx_backend_t backend) {
+  switch (backend) {
+    case EPX_BACKEND_HOST: return EPX_SUCCESS;
+    case EPX_BACKEND_CUDA:
+#ifdef EPX_HAVE_CUDA
+      return epxi_cuda_available();
+#else
+      return epxi_fail(EPX_ERR_UNSUPPORTED, "this build of epx has no CUDA backend (nvcc was not found at build time)");
+#endif
+    case EPX_BACKEND_AUTO: return EPX_SUCCESS;
+  }
+  return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
+}
+
+static const epxi_backend_t *backend_ops(epx_backend_t backend) {
+#ifdef EPX_HAVE_CUDA
+  if (backend == EPX_BACKEND_CUDA) return &epxi_cuda_backend;
+#endif
+  return backend == EPX_BACKEND_HOST ? &epxi_host_backend : NULL;
+}
+
+/* ---- world ---------------------------------------------------------------------------- */
+
+void epx_world_config_init(epx_world_config_t *wc) {
+  memset(wc, 0, sizeof *wc);
+  wc->backend = EPX_BACKEND_AUTO;
+  wc->nranks = 1;
+}
+
+epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world) {
+  epxi_clear_error();
+  if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create: config and world are required");
+  if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", wc->nranks, EPX_MAX_RANKS);
+  epx_backend_t backend = wc->backend;
+  if (backend == EPX_BACKEND_AUTO)
+    backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+  EPX_CHECK(epx_backend_available(backend));
+  const epxi_backend_t *ops = backend_ops(backend);
+  if (!ops) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
+
+  epx_world_t *w = calloc(1, sizeof *w);
+  if (!w) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "world");
+  w->backend = backend;
+  w->nranks = wc->nranks;
+  w->ops = ops;
+  for (int r = 0; r < w->nranks; r++) w->devices[r] = wc->devices ? wc->devices[r] : -1;
+  epx_status_t s = epxi_group_create(w->nranks, &w->group);
+  if (s == EPX_SUCCESS && ops->world_create) s = ops->world_create(w);
+  if (s != EPX_SUCCESS) {
+    epxi_group_destroy(w->group);
+    free(w);
+    return s;
+  }
+  *world = w;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_world_destroy(epx_world_t *world) {
+  if (!world) return EPX_SUCCESS;
+  if (world->ops->world_destroy) world->ops->world_destroy(world);
+  epxi_group_destroy(world->group);
+  free(world);
+  return EPX_SUCCESS;
+}
+
+int epx_world_nranks(const epx_world_t *world) { return world ? world->nranks : 0; }
+epx_backend_t epx_world_backend(const epx_world_t *world) { return world ? world->backend : EPX_BACKEND_HOST; }
+
+/* ---- config and comm ------------------------------------------------------------------ */
+
+void epx_config_init(epx_config_t *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->num_experts = 256;
+  cfg->hidden = 7168;
+  cfg->topk = 8;
+  cfg->max_tokens_per_rank = 128;
+  cfg->num_sms = 0;
+  cfg->timeout_ms = 0;
+}
+
+static epx_status_t check_config(const epx_config_t *c, int nranks) {
+  if (c->topk < 1 || c->topk > EPX_MAX_TOPK)
+    return epxi_fail(EPX_ERR_TOPK_RANGE, "config.topk %d outside [1, %d]", c->topk, EPX_MAX_TOPK);
+  if (c->hidden < 1 || c->hidden > EPX_MAX_HIDDEN)
+    return epxi_fail(EPX_ERR_HIDDEN_RANGE, "config.hidden %d outside [1, %d]", c->hidden, EPX_MAX_HIDDEN);
+  if (c->num_experts < 1 || c->num_experts > EPX_MAX_EXPERTS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.num_experts %d outside [1, %d]", c->num_experts,
+                     EPX_MAX_EXPERTS);
+  if (c->num_experts % nranks)
+    return epxi_fail(EPX_ERR_EXPERTS_NOT_DIVISIBLE, "config.num_experts %d is not a multiple of %d ranks",
+                     c->num_experts, nranks);
+  if (c->max_tokens_per_rank < 0)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.max_tokens_per_rank %d < 0", c->max_tokens_per_rank);
+  if (c->num_sms < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.num_sms %d < 0", c->num_sms);
+  if (c->timeout_ms < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.timeout_ms %d < 0", c->timeout_ms);
+  return EPX_SUCCESS;
+}
+
+/* What every rank contributes to the config exchange. */
+typedef struct {
+  epx_status_t status;
+  epx_config_t cfg;
+} config_vote_t;
+
+/* The fields ranks must agree on (timeouts may differ). */
+#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(max_tokens_per_rank) X(num_sms)
+
+static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int rank) {
+  for (int r = 0; r < nranks; r++)
+    if (votes[r].status != EPX_SUCCESS)
+      return r == rank ? votes[r].status
+                       : epxi_fail(votes[r].status, "rank %d passed an invalid config (%s)", r,
+                                   epx_status_string(votes[r].status));
+  for (int r = 1; r < nranks; r++) {
+#define EPX_COMPARE_FIELD(f)                                                                             \
+  if (votes[r].cfg.f != votes[0].cfg.f)                                                                  \
+    return epxi_fail(EPX_ERR_CONFIG_MISMATCH, "config field '%s' is %d on rank 0 but %d on rank %d", #f, \
+                     votes[0].cfg.f, votes[r].cfg.f, r);
+    EPX_CONFIG_AGREED(EPX_COMPARE_FIELD)
+#undef EPX_COMPARE_FIELD
+  }
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm) {
+  epxi_clear_error();
+  if (!world || !cfg || !comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_init: world, config and comm are required");
+  if (rank < 0 || rank >= world->nranks)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d outside [0, %d)", rank, world->nranks);
+  config_vote_t mine = {.status = check_config(cfg, world->nranks), .cfg = *cfg};
+  if (mine.cfg.num_sms == 0) mine.cfg.num_sms = epxi_env()->num_sms;
+  if (mine.cfg.timeout_ms == 0) mine.cfg.timeout_ms = epxi_env()->timeout_ms;
+  config_vote_t votes[EPX_MAX_RANKS];
+  EPX_CHECK(epxi_group_allgather(world->group, rank, "comm_init:config", mine.cfg.timeout_ms, &mine, sizeof mine,
+                                 votes));
+  EPX_CHECK(compare_configs(votes, world->nranks, rank));
+
+  epx_comm_t *c = calloc(1, sizeof *c);
+  if (!c) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "comm");
+  c->world = world;
+  c->rank = rank;
+  c->nranks = world->nranks;
+  c->cfg = mine.cfg;
+  c->num_local_experts = cfg->num_experts / world->nranks;
+  epx_status_t s = world->ops->comm_init ? world->ops->comm_init(c) : EPX_SUCCESS;
+  if (s != EPX_SUCCESS) {
+    free(c);
+    return s;
+  }
+  *comm = c;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_destroy(epx_comm_t *comm) {
+  if (!comm) return EPX_SUCCESS;
+  if (comm->world->ops->comm_destroy) comm->world->ops->comm_destroy(comm);
+  free(comm);
+  return EPX_SUCCESS;
+}
+
+int epx_comm_rank(const epx_comm_t *comm) { return comm ? comm->rank : -1; }
+int epx_comm_nranks(const epx_comm_t *comm) { return comm ? comm->nranks : 0; }
+const epx_config_t *epx_comm_config(const epx_comm_t *comm) { return comm ? &comm->cfg : NULL; }
+
+epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream) {
+  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_set_stream: comm is NULL");
+  comm->stream = stream;
+  return EPX_SUCCESS;
+}
+
+/* A comm whose group broke cannot be trusted with another collective. */
+static epx_status_t check_comm(epx_comm_t *comm, const char *op) {
+  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: comm is NULL", op);
+  if (comm->broken || epxi_group_broken(comm->world->group)) {
+    comm->broken = true;
+    return epxi_fail(EPX_ERR_BROKEN, "%s on rank %d: the group broke earlier; destroy and re-create it", op,
+                     comm->rank);
+  }
+  return EPX_SUCCESS;
+}
+
+/* Marks the comm broken when the group failed under the call. */
+static epx_status_t collective_result(epx_comm_t *comm, epx_status_t s) {
+  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN) comm->broken = true;
+  return s;
+}
+
+/* ---- layout and handles --------------------------------------------------------------- */
+
+epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
+                            int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  epxi_clear_error();
+  EPX_CHECK(check_comm(comm, "epx_get_layout"));
+  EPX_CHECK(epxi_check_routing_form(routing));
+  return comm->world->ops->get_layout(comm, routing, tokens_per_rank, tokens_per_expert, is_token_in_rank);
+}
+
+void epx_handle_config_init(epx_handle_config_t *hc) {
+  memset(hc, 0, sizeof *hc);
+  hc->algo = EPX_ALGO_HT;
+  hc->layout = EPX_LAYOUT_TOKEN;
+  hc->align = 1;
+  hc->exact = 1;
+}
+
+epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle) {
+  epxi_clear_error();
+  if (!comm || !hc || !handle)
+    return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm, config and handle are required");
+  if (hc->algo != EPX_ALGO_HT && hc->algo != EPX_ALGO_LL && hc->algo != EPX_ALGO_ALLTOALL)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown algorithm %d", (int)hc->algo);
+  if (hc->layout != EPX_LAYOUT_TOKEN && hc->layout != EPX_LAYOUT_EXPERT)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown layout %d", (int)hc->layout);
+  if (hc->align < 1) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "align %d < 1", hc->align);
+  epx_handle_t *h = calloc(1, sizeof *h);
+  if (!h) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "handle");
+  h->comm = comm;
+  h->hc = *hc;
+  if (hc->algo == EPX_ALGO_LL) {
+    h->hc.layout = EPX_LAYOUT_EXPERT;
+    h->hc.align = 1;
+  }
+  epx_status_t s = comm->world->ops->handle_create(h);
+  if (s != EPX_SUCCESS) {
+    free(h);
+    return s;
+  }
+  *handle = h;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_handle_destroy(epx_handle_t *handle) {
+  if (!handle) return EPX_SUCCESS;
+  handle->comm->world->ops->handle_destroy(handle);
+  free(handle);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, bool planned, const char *op) {
+  if (!handle) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: handle is NULL", op);
+  if (handle->comm != comm)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle belongs to another comm", op);
+  if (planned && !handle->planned)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle has no plan yet (call epx_notify or pass a routing)", op);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing) {
+  epxi_clear_error();
+  EPX_CHECK(check_comm(comm, "epx_notify"));
+  EPX_CHECK(check_handle(comm, handle, false, "epx_notify"));
+  EPX_CHECK(epxi_check_routing_form(routing));
+  handle->planned = false;
+  epx_status_t s = collective_result(comm, comm->world->ops->notify(comm, handle, routing));
+  handle->planned = s == EPX_SUCCESS;
+  return s;
+}
+
+epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info, int32_t *tokens_per_local_expert) {
+  epxi_clear_error();
+  if (!handle || !info) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_info: handle and info are required");
+  EPX_CHECK(check_handle(handle->comm, handle, true, "epx_handle_info"));
+  return handle->comm->world->ops->handle_info(handle, info, tokens_per_local_expert);
+}
+
+/* ---- dispatch and combine ------------------------------------------------------------- */
+
+/* Rows that GPUs move must be whole 16-byte vectors; the host backend's float32 is exempt
+ * (it is the test type and never crosses a GPU). */
+epx_status_t epxi_check_row(epx_dtype_t dtype, int hidden, const char *what) {
+  size_t bytes = epx_dtype_size(dtype) * (size_t)hidden;
+  if (bytes % 16)
+    return epxi_fail(EPX_ERR_ROW_ALIGNMENT, "%s: a row of %d %s is %zu bytes, not a multiple of 16", what, hidden,
+                     epx_dtype_name(dtype), bytes);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t check_row_for(const epx_comm_t *comm, epx_dtype_t dtype, const char *what) {
+  if (dtype == EPX_FLOAT32 && comm->world->backend == EPX_BACKEND_HOST) return EPX_SUCCESS;
+  return epxi_check_row(dtype, comm->cfg.hidden, what);
+}
+
+static bool is_float_type(epx_dtype_t t) { return t == EPX_FLOAT32 || t == EPX_BFLOAT16; }
+
+void epx_dispatch_args_init(epx_dispatch_args_t *args) {
+  memset(args, 0, sizeof *args);
+  args->x_dtype = EPX_BFLOAT16;
+  args->recv_dtype = EPX_BFLOAT16;
+}
+
+epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing,
+                          const epx_dispatch_args_t *args) {
+  epxi_clear_error();
+  EPX_CHECK(check_comm(comm, "epx_dispatch"));
+  EPX_CHECK(check_handle(comm, handle, routing == NULL, "epx_dispatch"));
+  if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: args is NULL");
+  if (!is_float_type(args->x_dtype))
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch x_dtype must be float32 or bfloat16, not %s",
+                     epx_dtype_name(args->x_dtype));
+  if (args->recv_dtype != args->x_dtype && args->recv_dtype != EPX_FP8_E4M3)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch recv_dtype must be x_dtype (%s) or fp8_e4m3, not %s",
+                     epx_dtype_name(args->x_dtype), epx_dtype_name(args->recv_dtype));
+  EPX_CHECK(check_row_for(comm, args->x_dtype, "dispatch x"));
+  EPX_CHECK(check_row_for(comm, args->recv_dtype, "dispatch recv_x"));
+  if (!args->recv_x) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: recv_x is NULL");
+  if (args->recv_dtype == EPX_FP8_E4M3 && !args->recv_scales)
+    return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: fp8 needs recv_scales");
+  if (args->recv_capacity < 0)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_capacity %lld < 0", (long long)args->recv_capacity);
+  if (routing) EPX_CHECK(epx_notify(comm, handle, routing));
+  return collective_result(comm, comm->world->ops->dispatch(comm, handle, args));
+}
+
+void epx_combine_args_init(epx_combine_args_t *args) {
+  memset(args, 0, sizeof *args);
+  args->y_dtype = EPX_BFLOAT16;
+  args->out_dtype = EPX_BFLOAT16;
+  args->weighted = 1;
+}
+
+epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
+  epxi_clear_error();
+  EPX_CHECK(check_comm(comm, "epx_combine"));
+  EPX_CHECK(check_handle(comm, handle, true, "epx_combine"));
+  if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: args is NULL");
+  if (!is_float_type(args->y_dtype) || !is_float_type(args->out_dtype))
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine y_dtype and out_dtype must be float32 or bfloat16 (got %s, %s)",
+                     epx_dtype_name(args->y_dtype), epx_dtype_name(args->out_dtype));
+  EPX_CHECK(check_row_for(comm, args->y_dtype, "combine y"));
+  EPX_CHECK(check_row_for(comm, args->out_dtype, "combine out"));
+  if (!args->row_weight_grad != !args->topk_weight_grad)
+    return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: row_weight_grad and topk_weight_grad go together");
+  return collective_result(comm, comm->world->ops->combine(comm, handle, args));
+}
+
+/* ---- running ranks on threads --------------------------------------------------------- */
+
+typedef struct {
+  epx_rank_fn fn;
+  void *arg;
+  int rank;
+  epx_status_t status;
+} rank_thread_t;
+
+static void *rank_main(void *p) {
+  rank_thread_t *t = p;
+  t->status = t->fn(t->rank, t->arg);
+  return NULL;
+}
+
+epx_status_t epx_run_ranks(int nranks, epx_rank_fn fn, void *arg, epx_status_t *statuses) {
+  if (!fn) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_run_ranks: fn is NULL");
+  if (nranks < 1 || nranks > EPX_MAX_RANKS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", nranks, EPX_MAX_RANKS);
+  rank_thread_t ts[EPX_MAX_RANKS];
+  pthread_t tids[EPX_MAX_RANKS];
+  int started = 0;
+  epx_status_t first = EPX_SUCCESS;
+  for (int r = 0; r < nranks; r++) ts[r] = (rank_thread_t){fn, arg, r, EPX_ERR_SYSTEM};
+  for (; started < nranks; started++)
+    if (pthread_create(&tids[started], NULL, rank_main, &ts[started]) != 0) {
+      epxi_fail(EPX_ERR_SYSTEM, "could not start the thread of rank %d", started);
+      break;
+    }
+  for (int r = 0; r < started; r++) pthread_join(tids[r], NULL);
+  for (int r = 0; r < nranks; r++) {
+    if (statuses) statuses[r] = ts[r].status;
+    if (first == EPX_SUCCESS && ts[r].status != EPX_SUCCESS) first = ts[r].status;
+  }
+  return first;
+}

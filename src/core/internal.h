@@ -1,0 +1,160 @@
+/* Internal declarations shared by the core, the transports and the backends. */
+#ifndef EPX_INTERNAL_H
+#define EPX_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- errors and logging (status.c) ----------------------------------------------------- */
+
+/* Records a thread-local message for epx_last_error() and returns status. */
+epx_status_t epxi_fail(epx_status_t status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void epxi_clear_error(void);
+
+typedef enum { EPXI_LOG_NONE = 0, EPXI_LOG_WARN, EPXI_LOG_INFO } epxi_log_level_t;
+void epxi_log(epxi_log_level_t level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define EPX_WARN(...) epxi_log(EPXI_LOG_WARN, __VA_ARGS__)
+#define EPX_INFO(...) epxi_log(EPXI_LOG_INFO, __VA_ARGS__)
+
+/* Environment knobs, read once (status.c). */
+typedef struct {
+  int timeout_ms;        /* EPX_TIMEOUT_MS, default 30000 */
+  int num_sms;           /* EPX_NUM_SMS, default 16 */
+  epxi_log_level_t log;  /* EPX_DEBUG=WARN|INFO */
+} epxi_env_t;
+const epxi_env_t *epxi_env(void);
+
+#define EPX_CHECK(call)                        \
+  do {                                         \
+    epx_status_t epx_check_s_ = (call);        \
+    if (epx_check_s_ != EPX_SUCCESS) return epx_check_s_; \
+  } while (0)
+
+/* ---- host-side rendezvous of the group (transport/) ------------------------------------ */
+
+/* The ranks' meeting point on the host: bounded barriers and exchanges. Every backend uses
+ * it for set-up (config check) and the host backend for everything. */
+typedef struct epxi_group epxi_group_t;
+
+epx_status_t epxi_group_create(int nranks, epxi_group_t **group);
+void epxi_group_destroy(epxi_group_t *group);
+/* Every rank contributes `bytes` at `mine`; `all` receives nranks * bytes, rank-major.
+ * `phase` names the step in the timeout message. */
+epx_status_t epxi_group_allgather(epxi_group_t *group, int rank, const char *phase, int timeout_ms,
+                                  const void *mine, size_t bytes, void *all);
+/* Publishes a pointer for the peers (valid until the next barrier the publisher passes). */
+epx_status_t epxi_group_share(epxi_group_t *group, int rank, const char *phase, int timeout_ms,
+                              const void *mine, const void **all);
+epx_status_t epxi_group_barrier(epxi_group_t *group, int rank, const char *phase, int timeout_ms);
+/* True once a wait of this group has timed out: the group is broken for good. */
+bool epxi_group_broken(const epxi_group_t *group);
+
+/* ---- objects --------------------------------------------------------------------------- */
+
+typedef struct epxi_backend epxi_backend_t;
+
+struct epx_world {
+  epx_backend_t backend;
+  int nranks;
+  int devices[EPX_MAX_RANKS];
+  const epxi_backend_t *ops;
+  epxi_group_t *group;
+  void *impl;            /* backend's per-world state */
+};
+
+struct epx_comm {
+  epx_world_t *world;
+  int rank, nranks;
+  int num_local_experts; /* L */
+  epx_config_t cfg;      /* after defaults */
+  void *stream;
+  bool broken;
+  void *impl;            /* backend's per-comm state */
+};
+
+/* A normalised routing: int32 ids and float weights [T, K] (host memory). */
+typedef struct {
+  int64_t num_tokens;
+  int topk;
+  int32_t *idx;
+  float *weights;
+} epxi_topk_t;
+
+struct epx_handle {
+  epx_comm_t *comm;
+  epx_handle_config_t hc;
+  bool planned;
+  void *impl;            /* backend's per-handle state */
+};
+
+/* What a backend implements. The core validates arguments first; a backend only checks
+ * what needs its memory (contents of device arrays). */
+struct epxi_backend {
+  const char *name;
+  epx_status_t (*world_create)(epx_world_t *world);
+  void (*world_destroy)(epx_world_t *world);
+  epx_status_t (*comm_init)(epx_comm_t *comm);
+  void (*comm_destroy)(epx_comm_t *comm);
+  epx_status_t (*handle_create)(epx_handle_t *handle);
+  void (*handle_destroy)(epx_handle_t *handle);
+  epx_status_t (*get_layout)(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
+                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
+  epx_status_t (*notify)(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing);
+  epx_status_t (*handle_info)(const epx_handle_t *handle, epx_handle_info_t *info,
+                              int32_t *tokens_per_local_expert);
+  epx_status_t (*dispatch)(epx_comm_t *comm, epx_handle_t *handle, const epx_dispatch_args_t *args);
+  epx_status_t (*combine)(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args);
+};
+
+extern const epxi_backend_t epxi_host_backend;
+#ifdef EPX_HAVE_CUDA
+extern const epxi_backend_t epxi_cuda_backend;
+epx_status_t epxi_cuda_available(void);
+#endif
+
+/* ---- routing (routing.c) --------------------------------------------------------------- */
+
+/* Checks the routing's form and, reading host memory, its contents: ids in [-1, E), no
+ * expert twice in a row, map rows with at most K experts. Writes the normalised topk form
+ * into `out` (allocated; free with epxi_topk_free). */
+epx_status_t epxi_topk_from_routing(const epx_routing_t *routing, int num_experts, int topk, epxi_topk_t *out);
+void epxi_topk_free(epxi_topk_t *t);
+/* Form-only checks that need no memory access (pointers, T, dtype). */
+epx_status_t epxi_check_routing_form(const epx_routing_t *routing);
+
+/* ---- plan math (plan.c) ---------------------------------------------------------------- */
+
+/* Everything every rank knows after the count exchange: per source rank s,
+ *   tok[s * R + d]   tokens s sends to rank d (once per rank),
+ *   pair[s * E + e]  (token, expert) pairs s routes to expert e. */
+typedef struct {
+  int nranks, num_experts, num_local;
+  const int32_t *tok;
+  const int32_t *pair;
+} epxi_counts_t;
+
+/* First token-layout row of source s's tokens on destination d. */
+int64_t epxi_token_base(const epxi_counts_t *c, int d, int s);
+/* Tokens arriving on d. */
+int64_t epxi_recv_tokens(const epxi_counts_t *c, int d);
+/* Pairs arriving for local expert l of rank d. */
+int64_t epxi_expert_pairs(const epxi_counts_t *c, int d, int l);
+/* First row of expert l's block on d, blocks padded to `align` rows. */
+int64_t epxi_expert_block(const epxi_counts_t *c, int d, int l, int align);
+/* First row of source s's pairs inside expert l's block on d. */
+int64_t epxi_expert_source_base(const epxi_counts_t *c, int d, int l, int s);
+static inline int64_t epxi_round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+/* ---- config (api.c) -------------------------------------------------------------------- */
+epx_status_t epxi_check_row(epx_dtype_t dtype, int hidden, const char *what);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,488 @@
+/* The CPU backend: ranks are threads, and this file is the readable statement of epx's
+ * semantics that every GPU path is checked against bit for bit.
+ *
+ * Each collective follows the GPU's structure: notify exchanges counts and derives where
+ * every row lands (core/plan.c), dispatch writes each row straight into its final position
+ * on the receiver, combine reduces in the contract's order. Ranks see each other's arrays
+ * through the group's pointer exchange. A failure found in the data (bad expert id, too many
+ * tokens, an output too small) is voted on, so every rank returns it and none hangs. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/internal.h"
+
+/* ---- rows in any element type ---------------------------------------------------------- */
+
+static void load_row(const void *base, epx_dtype_t dtype, int64_t row, int hidden, float *out) {
+  if (dtype == EPX_FLOAT32) {
+    memcpy(out, (const float *)base + row * hidden, sizeof(float) * hidden);
+  } else {
+    const uint16_t *p = (const uint16_t *)base + row * hidden;
+    for (int c = 0; c < hidden; c++) out[c] = epx_bf16_to_float(p[c]);
+  }
+}
+
+static void store_row(void *base, epx_dtype_t dtype, int64_t row, int hidden, const float *in) {
+  if (dtype == EPX_FLOAT32) {
+    memcpy((float *)base + row * hidden, in, sizeof(float) * hidden);
+  } else {
+    uint16_t *p = (uint16_t *)base + row * hidden;
+    for (int c = 0; c < hidden; c++) p[c] = epx_float_to_bf16(in[c]);
+  }
+}
+
+static int scale_blocks(int hidden) { return (hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK; }
+
+/* Writes one dispatched row in the receive type (fp8 rows carry their scales). */
+static void store_recv_row(const epx_dispatch_args_t *a, void *recv_x, float *recv_scales, int64_t row, int hidden,
+                           const float *in) {
+  if (a->recv_dtype == EPX_FP8_E4M3)
+    epx_quantize_row_e4m3(in, hidden, (uint8_t *)recv_x + row * hidden, recv_scales + row * scale_blocks(hidden));
+  else
+    store_row(recv_x, a->recv_dtype, row, hidden, in);
+}
+
+static void zero_recv_row(const epx_dispatch_args_t *a, void *recv_x, float *recv_scales, int64_t row, int hidden) {
+  memset((char *)recv_x + row * hidden * epx_dtype_size(a->recv_dtype), 0, hidden * epx_dtype_size(a->recv_dtype));
+  if (a->recv_dtype == EPX_FP8_E4M3) memset(recv_scales + row * scale_blocks(hidden), 0, sizeof(float) * scale_blocks(hidden));
+}
+
+/* ---- the plan ---------------------------------------------------------------------------- */
+
+typedef struct {
+  int nranks, rank, num_experts, num_local, topk, hidden, align, max_tokens;
+  bool ll, expert_layout;
+  /* counts of every rank, from notify */
+  int32_t *tok;   /* [R, R] */
+  int32_t *pair;  /* [R, E] */
+  epxi_counts_t counts;
+  /* send side */
+  epxi_topk_t route;   /* [T, K] */
+  int64_t *dest_row;   /* [T, R]: token-layout row on each destination, -1 if not sent */
+  int64_t *slot_row;   /* [T, K]: row of the slot's pair on its destination, -1 for -1 slots */
+  /* receive side */
+  int64_t num_recv;    /* tokens */
+  int64_t num_rows;    /* rows of the receive buffer in use (expert layout: with padding) */
+  int64_t num_pairs;
+  int32_t *recv_src;   /* [N]: source rank */
+  int64_t *recv_tok;   /* [N]: source token */
+  int32_t *recv_local; /* [N, K]: local expert of each slot, -1 if not on this rank */
+  float *recv_weight;  /* [N, K] */
+  int64_t *recv_row;   /* [N, K]: expert-layout row of each slot, -1 if not on this rank */
+  int32_t *pairs_per_local; /* [L] */
+} host_plan_t;
+
+static void plan_clear(host_plan_t *p) {
+  free(p->tok);
+  free(p->pair);
+  epxi_topk_free(&p->route);
+  free(p->dest_row);
+  free(p->slot_row);
+  free(p->recv_src);
+  free(p->recv_tok);
+  free(p->recv_local);
+  free(p->recv_weight);
+  free(p->recv_row);
+  free(p->pairs_per_local);
+  host_plan_t keep = *p;
+  memset(p, 0, sizeof *p);
+  p->nranks = keep.nranks, p->rank = keep.rank, p->num_experts = keep.num_experts;
+  p->num_local = keep.num_local, p->topk = keep.topk, p->hidden = keep.hidden;
+  p->align = keep.align, p->max_tokens = keep.max_tokens, p->ll = keep.ll, p->expert_layout = keep.expert_layout;
+}
+
+static epx_status_t host_handle_create(epx_handle_t *h) {
+  host_plan_t *p = calloc(1, sizeof *p);
+  if (!p) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "host plan");
+  const epx_comm_t *c = h->comm;
+  p->nranks = c->nranks;
+  p->rank = c->rank;
+  p->num_experts = c->cfg.num_experts;
+  p->num_local = c->num_local_experts;
+  p->topk = c->cfg.topk;
+  p->hidden = c->cfg.hidden;
+  p->align = h->hc.align;
+  p->max_tokens = c->cfg.max_tokens_per_rank;
+  p->ll = h->hc.algo == EPX_ALGO_LL;
+  p->expert_layout = h->hc.layout == EPX_LAYOUT_EXPERT;
+  h->impl = p;
+  return EPX_SUCCESS;
+}
+
+static void host_handle_destroy(epx_handle_t *h) {
+  host_plan_t *p = h->impl;
+  if (!p) return;
+  plan_clear(p);
+  free(p);
+}
+
+/* First row of local expert l's pairs from source s on destination d. */
+static int64_t pair_base(const host_plan_t *p, int d, int l, int s) {
+  int64_t block = p->ll ? (int64_t)l * p->nranks * p->max_tokens : epxi_expert_block(&p->counts, d, l, p->align);
+  return block + epxi_expert_source_base(&p->counts, d, l, s);
+}
+
+/* Layout of a normalised routing; any output may be NULL. */
+static void count_layout(const epxi_topk_t *t, int nranks, int num_local, int num_experts, int32_t *tokens_per_rank,
+                         int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  const int K = t->topk;
+  if (tokens_per_rank) memset(tokens_per_rank, 0, sizeof(int32_t) * nranks);
+  if (tokens_per_expert) memset(tokens_per_expert, 0, sizeof(int32_t) * num_experts);
+  for (int64_t i = 0; i < t->num_tokens; i++) {
+    bool in_rank[EPX_MAX_RANKS] = {false};
+    for (int k = 0; k < K; k++) {
+      int e = t->idx[i * K + k];
+      if (e < 0) continue;
+      in_rank[e / num_local] = true;
+      if (tokens_per_expert) tokens_per_expert[e]++;
+    }
+    for (int d = 0; d < nranks; d++) {
+      if (tokens_per_rank && in_rank[d]) tokens_per_rank[d]++;
+      if (is_token_in_rank) is_token_in_rank[i * nranks + d] = in_rank[d];
+    }
+  }
+}
+
+static epx_status_t host_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
+                                    int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  epxi_topk_t t;
+  EPX_CHECK(epxi_topk_from_routing(routing, comm->cfg.num_experts, comm->cfg.topk, &t));
+  count_layout(&t, comm->nranks, comm->num_local_experts, comm->cfg.num_experts, tokens_per_rank, tokens_per_expert,
+               is_token_in_rank);
+  epxi_topk_free(&t);
+  return EPX_SUCCESS;
+}
+
+/* Agrees on the first failure of any rank: a rank that failed keeps its own message, the
+ * others learn who failed. */
+static epx_status_t agree(epx_comm_t *comm, const char *phase, epx_status_t mine) {
+  epx_status_t all[EPX_MAX_RANKS];
+  EPX_CHECK(epxi_group_allgather(comm->world->group, comm->rank, phase, comm->cfg.timeout_ms, &mine, sizeof mine, all));
+  if (mine != EPX_SUCCESS) return mine;
+  for (int r = 0; r < comm->nranks; r++)
+    if (all[r] != EPX_SUCCESS)
+      return epxi_fail(all[r], "%s: rank %d failed (%s)", phase, r, epx_status_string(all[r]));
+  return EPX_SUCCESS;
+}
+
+static void *xcalloc(size_t n, size_t size, epx_status_t *s) {
+  void *p = calloc(n ? n : 1, size);
+  if (!p && *s == EPX_SUCCESS) *s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "host plan arrays");
+  return p;
+}
+
+/* Send side: where each of this rank's tokens and pairs lands. Tokens are visited in order,
+ * so rows keep (source rank, source token) order within every block. */
+static void plan_send(host_plan_t *p) {
+  const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
+  int64_t next_tok[EPX_MAX_RANKS];
+  for (int d = 0; d < R; d++) next_tok[d] = epxi_token_base(&p->counts, d, me);
+  int64_t *next_pair = calloc(p->num_experts, sizeof(int64_t));
+  for (int e = 0; e < p->num_experts; e++) next_pair[e] = pair_base(p, e / L, e % L, me);
+  for (int64_t t = 0; t < p->route.num_tokens; t++) {
+    bool in_rank[EPX_MAX_RANKS] = {false};
+    for (int k = 0; k < K; k++) {
+      int e = p->route.idx[t * K + k];
+      p->slot_row[t * K + k] = e < 0 ? -1 : next_pair[e]++;
+      if (e >= 0) in_rank[e / L] = true;
+    }
+    for (int d = 0; d < R; d++) p->dest_row[t * R + d] = in_rank[d] ? next_tok[d]++ : -1;
+  }
+  free(next_pair);
+}
+
+/* Receive side: read every source's plan and keep what lands here, in arrival order. */
+static void plan_recv(host_plan_t *p, const host_plan_t *const *peers) {
+  const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
+  int64_t n = 0;
+  for (int s = 0; s < R; s++) {
+    const host_plan_t *src = peers[s];
+    for (int64_t t = 0; t < src->route.num_tokens; t++) {
+      if (src->dest_row[t * R + me] < 0) continue;
+      p->recv_src[n] = s;
+      p->recv_tok[n] = t;
+      for (int k = 0; k < K; k++) {
+        int e = src->route.idx[t * K + k];
+        bool here = e >= 0 && e / L == me;
+        p->recv_local[n * K + k] = here ? e % L : -1;
+        p->recv_weight[n * K + k] = here ? src->route.weights[t * K + k] : 0.0f;
+        p->recv_row[n * K + k] = here ? src->slot_row[t * K + k] : -1;
+      }
+      n++;
+    }
+  }
+}
+
+static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *routing) {
+  host_plan_t *p = h->impl;
+  const int R = p->nranks, E = p->num_experts, L = p->num_local, me = p->rank;
+  plan_clear(p);
+
+  epx_status_t s = epxi_topk_from_routing(routing, E, p->topk, &p->route);
+  if (s == EPX_SUCCESS && p->ll && p->route.num_tokens > p->max_tokens)
+    s = epxi_fail(EPX_ERR_LL_OVERFLOW, "rank %d has %lld tokens, more than max_tokens_per_rank = %d", me,
+                  (long long)p->route.num_tokens, p->max_tokens);
+
+  /* Counts: what this rank sends to each rank and expert, gathered from every rank. */
+  size_t row_ints = (size_t)R + E;
+  int32_t *mine = xcalloc(row_ints, sizeof(int32_t), &s);
+  int32_t *all = xcalloc(row_ints * R, sizeof(int32_t), &s);
+  p->tok = xcalloc((size_t)R * R, sizeof(int32_t), &s);
+  p->pair = xcalloc((size_t)R * E, sizeof(int32_t), &s);
+  if (s == EPX_SUCCESS) count_layout(&p->route, R, L, E, mine, mine + R, NULL);
+  epx_status_t agreed = agree(comm, "notify:validate", s);
+  if (agreed == EPX_SUCCESS)
+    agreed = epxi_group_allgather(comm->world->group, me, "notify:counts", comm->cfg.timeout_ms, mine,
+                                  row_ints * sizeof(int32_t), all);
+  if (agreed != EPX_SUCCESS) {
+    free(mine);
+    free(all);
+    plan_clear(p);
+    return agreed;
+  }
+  for (int q = 0; q < R; q++) {
+    memcpy(p->tok + q * R, all + q * row_ints, sizeof(int32_t) * R);
+    memcpy(p->pair + q * E, all + q * row_ints + R, sizeof(int32_t) * E);
+  }
+  free(mine);
+  free(all);
+  p->counts = (epxi_counts_t){.nranks = R, .num_experts = E, .num_local = L, .tok = p->tok, .pair = p->pair};
+
+  /* Positions. */
+  const int64_t T = p->route.num_tokens, K = p->topk;
+  p->dest_row = xcalloc(T * R, sizeof(int64_t), &s);
+  p->slot_row = xcalloc(T * K, sizeof(int64_t), &s);
+  p->num_recv = epxi_recv_tokens(&p->counts, me);
+  p->recv_src = xcalloc(p->num_recv, sizeof(int32_t), &s);
+  p->recv_tok = xcalloc(p->num_recv, sizeof(int64_t), &s);
+  p->recv_local = xcalloc(p->num_recv * K, sizeof(int32_t), &s);
+  p->recv_weight = xcalloc(p->num_recv * K, sizeof(float), &s);
+  p->recv_row = xcalloc(p->num_recv * K, sizeof(int64_t), &s);
+  p->pairs_per_local = xcalloc(L, sizeof(int32_t), &s);
+  if (s == EPX_SUCCESS) plan_send(p);
+  for (int l = 0; l < L; l++) {
+    p->pairs_per_local[l] = (int32_t)epxi_expert_pairs(&p->counts, me, l);
+    p->num_pairs += p->pairs_per_local[l];
+  }
+  p->num_rows = !p->expert_layout ? p->num_recv
+                : p->ll           ? (int64_t)L * R * p->max_tokens
+                                  : epxi_expert_block(&p->counts, me, L, p->align);
+
+  /* Arrival metadata: read the sources' send plans. */
+  s = agree(comm, "notify:plan", s);
+  const void *peers[EPX_MAX_RANKS];
+  if (s == EPX_SUCCESS) s = epxi_group_share(comm->world->group, me, "notify:plan", comm->cfg.timeout_ms, p, peers);
+  if (s == EPX_SUCCESS) {
+    plan_recv(p, (const host_plan_t *const *)peers);
+    s = epxi_group_barrier(comm->world->group, me, "notify:plan-read", comm->cfg.timeout_ms);
+  }
+  if (s != EPX_SUCCESS) plan_clear(p);
+  return s;
+}
+
+static epx_status_t host_handle_info(const epx_handle_t *h, epx_handle_info_t *info, int32_t *tokens_per_local_expert) {
+  const host_plan_t *p = h->impl;
+  info->num_send_tokens = p->route.num_tokens;
+  info->num_recv_tokens = p->num_recv;
+  info->num_recv_rows = p->num_rows;
+  info->num_recv_pairs = p->num_pairs;
+  info->num_sent_copies = 0;
+  for (int64_t i = 0; i < p->route.num_tokens * p->nranks; i++) info->num_sent_copies += p->dest_row[i] >= 0;
+  if (tokens_per_local_expert) memcpy(tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
+  return EPX_SUCCESS;
+}
+
+/* ---- dispatch ------------------------------------------------------------------------- */
+
+/* What a receiver shows its senders. */
+typedef struct {
+  const epx_dispatch_args_t *args;
+  bool fits;           /* its buffers can hold the plan; senders skip it otherwise */
+  epx_status_t input;  /* a failure that stops every rank (its x is missing) */
+} recv_view_t;
+
+static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_dispatch_args_t *a) {
+  host_plan_t *p = h->impl;
+  const int R = p->nranks, K = p->topk, H = p->hidden, me = p->rank;
+  const int64_t T = p->route.num_tokens;
+
+  epx_status_t s = EPX_SUCCESS;
+  recv_view_t view = {a, true, EPX_SUCCESS};
+  if (T > 0 && !a->x)
+    s = view.input = epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", me, (long long)T);
+  if (!p->ll && a->recv_capacity < p->num_rows) {
+    view.fits = false;
+    s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld", me,
+                  (long long)p->num_rows, (long long)a->recv_capacity);
+  }
+  if (view.fits && p->expert_layout && !p->ll) /* padding rows: zero data, zero weight */
+    for (int l = 0; l < p->num_local; l++) {
+      int64_t lo = epxi_expert_block(&p->counts, me, l, p->align) + p->pairs_per_local[l];
+      int64_t hi = epxi_expert_block(&p->counts, me, l + 1, p->align);
+      for (int64_t row = lo; row < hi; row++) {
+        zero_recv_row(a, a->recv_x, a->recv_scales, row, H);
+        if (a->recv_probs) a->recv_probs[row] = 0.0f;
+      }
+    }
+
+  const void *peers[EPX_MAX_RANKS];
+  EPX_CHECK(epxi_group_share(comm->world->group, me, "dispatch:views", comm->cfg.timeout_ms, &view, peers));
+  for (int d = 0; d < R; d++) {
+    epx_status_t input = ((const recv_view_t *)peers[d])->input;
+    if (input != EPX_SUCCESS)
+      return d == me ? input : epxi_fail(input, "dispatch: rank %d failed (%s)", d, epx_status_string(input));
+  }
+
+  /* Each token is read once and written to every row the plan gives it. */
+  float *row = malloc(sizeof(float) * H), *scaled = malloc(sizeof(float) * H);
+  for (int64_t t = 0; t < T && a->x; t++) {
+    load_row(a->x, a->x_dtype, t, H, row);
+    for (int d = 0; d < R; d++) {
+      const recv_view_t *v = peers[d];
+      int64_t r = p->dest_row[t * R + d];
+      if (r < 0 || !v->fits) continue;
+      const epx_dispatch_args_t *ra = v->args;
+      if (!p->expert_layout) {
+        store_recv_row(ra, ra->recv_x, ra->recv_scales, r, H, row);
+        for (int k = 0; k < K; k++) {
+          int e = p->route.idx[t * K + k];
+          bool here = e >= 0 && e / p->num_local == d;
+          if (ra->recv_topk_idx) ra->recv_topk_idx[r * K + k] = here ? e % p->num_local : -1;
+          if (ra->recv_topk_weights) ra->recv_topk_weights[r * K + k] = here ? p->route.weights[t * K + k] : 0.0f;
+        }
+        continue;
+      }
+      for (int k = 0; k < K; k++) {
+        int e = p->route.idx[t * K + k];
+        if (e < 0 || e / p->num_local != d) continue;
+        int64_t pr = p->slot_row[t * K + k];
+        float w = p->route.weights[t * K + k];
+        const float *src = row;
+        if (a->scale_by_probs) {
+          for (int c = 0; c < H; c++) scaled[c] = w * row[c];
+          src = scaled;
+        }
+        store_recv_row(ra, ra->recv_x, ra->recv_scales, pr, H, src);
+        if (ra->recv_probs) ra->recv_probs[pr] = w;
+      }
+    }
+  }
+  free(row);
+  free(scaled);
+  EPX_CHECK(epxi_group_barrier(comm->world->group, me, "dispatch:written", comm->cfg.timeout_ms));
+
+  if (view.fits) {
+    if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
+    if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
+  }
+  return s;
+}
+
+/* ---- combine -------------------------------------------------------------------------- */
+
+/* What a destination shows the sources: the rows they reduce and the weight gradients. */
+typedef struct {
+  const void *rows;          /* token layout: y; expert layout: the partials */
+  const float *weight_grad;  /* row_weight_grad as given */
+} combine_view_t;
+
+/* Expert layout, destination side: one partial per arrived token, its pairs weighted and
+ * summed in ascending local expert, rounded once to the partial type. */
+static epx_status_t reduce_partials(const host_plan_t *p, const epx_combine_args_t *a, void **partials) {
+  const int K = p->topk, H = p->hidden;
+  *partials = malloc((p->num_recv ? p->num_recv : 1) * H * epx_dtype_size(a->y_dtype));
+  float *acc = malloc(sizeof(float) * H), *y = malloc(sizeof(float) * H);
+  if (!*partials || !acc || !y) {
+    free(acc);
+    free(y);
+    return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "combine partials");
+  }
+  for (int64_t n = 0; n < p->num_recv; n++) {
+    /* this token's slots on this rank, by ascending local expert */
+    int slots[EPX_MAX_TOPK], m = 0;
+    for (int k = 0; k < K; k++) {
+      if (p->recv_local[n * K + k] < 0) continue;
+      int j = m++;
+      for (; j > 0 && p->recv_local[n * K + slots[j - 1]] > p->recv_local[n * K + k]; j--) slots[j] = slots[j - 1];
+      slots[j] = k;
+    }
+    for (int c = 0; c < H; c++) acc[c] = 0.0f;
+    for (int i = 0; i < m; i++) {
+      int k = slots[i];
+      int64_t row = p->recv_row[n * K + k];
+      float w = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row] : p->recv_weight[n * K + k];
+      load_row(a->y, a->y_dtype, row, H, y);
+      for (int c = 0; c < H; c++) acc[c] += w * y[c];
+    }
+    store_row(*partials, a->y_dtype, n, H, acc);
+  }
+  free(acc);
+  free(y);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_combine_args_t *a) {
+  host_plan_t *p = h->impl;
+  const int R = p->nranks, K = p->topk, H = p->hidden, me = p->rank;
+  const int64_t T = p->route.num_tokens;
+
+  epx_status_t s = EPX_SUCCESS;
+  if (p->num_rows > 0 && !a->y) s = epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: y is NULL", me);
+  if (T > 0 && !a->out) s = epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: out is NULL", me);
+  void *partials = NULL;
+  if (s == EPX_SUCCESS && p->expert_layout) s = reduce_partials(p, a, &partials);
+  s = agree(comm, "combine:validate", s);
+  if (s != EPX_SUCCESS) {
+    free(partials);
+    return s;
+  }
+
+  combine_view_t view = {p->expert_layout ? partials : a->y, a->row_weight_grad};
+  const void *peers[EPX_MAX_RANKS];
+  s = epxi_group_share(comm->world->group, me, "combine:views", comm->cfg.timeout_ms, &view, peers);
+  if (s != EPX_SUCCESS) {
+    free(partials);
+    return s;
+  }
+
+  /* Source side: sum what comes back from each destination, in rank order. */
+  float *acc = malloc(sizeof(float) * H), *y = malloc(sizeof(float) * H);
+  epx_dtype_t row_dtype = a->y_dtype;
+  for (int64_t t = 0; t < T; t++) {
+    for (int c = 0; c < H; c++) acc[c] = 0.0f;
+    for (int d = 0; d < R; d++) {
+      int64_t r = p->dest_row[t * R + d];
+      if (r < 0) continue;
+      load_row(((const combine_view_t *)peers[d])->rows, row_dtype, r, H, y);
+      for (int c = 0; c < H; c++) acc[c] += y[c];
+    }
+    store_row(a->out, a->out_dtype, t, H, acc);
+    if (!a->topk_weight_grad) continue;
+    for (int k = 0; k < K; k++) {
+      int e = p->route.idx[t * K + k];
+      float g = 0.0f;
+      if (e >= 0) {
+        int d = e / p->num_local;
+        const float *wg = ((const combine_view_t *)peers[d])->weight_grad;
+        g = p->expert_layout ? wg[p->slot_row[t * K + k]] : wg[p->dest_row[t * R + d] * K + k];
+      }
+      a->topk_weight_grad[t * K + k] = g;
+    }
+  }
+  free(acc);
+  free(y);
+  s = epxi_group_barrier(comm->world->group, me, "combine:read", comm->cfg.timeout_ms);
+  free(partials);
+  return s;
+}
+
+const epxi_backend_t epxi_host_backend = {
+    .name = "host",
+    .handle_create = host_handle_create,
+    .handle_destroy = host_handle_destroy,
+    .get_layout = host_get_layout,
+    .notify = host_notify,
+    .handle_info = host_handle_info,
+    .dispatch = host_dispatch,
+    .combine = host_combine,
+};
