@@ -48,9 +48,11 @@ void epxi_group_destroy(epxi_group_t *group);
  * `phase` names the step in the timeout message. */
 epx_status_t epxi_group_allgather(epxi_group_t *group, int rank, const char *phase, int timeout_ms,
                                   const void *mine, size_t bytes, void *all);
-/* Publishes a pointer for the peers (valid until the next barrier the publisher passes). */
+/* Shares `bytes` at `mine` with the peers: all[r] is rank r's data, readable until this rank
+ * enters its next barrier (the caller's "done reading" barrier). In-process the peers read
+ * the caller's memory directly; a cross-process group copies through shared memory. */
 epx_status_t epxi_group_share(epxi_group_t *group, int rank, const char *phase, int timeout_ms,
-                              const void *mine, const void **all);
+                              const void *mine, size_t bytes, const void **all);
 epx_status_t epxi_group_barrier(epxi_group_t *group, int rank, const char *phase, int timeout_ms);
 /* True once a wait of this group has timed out: the group is broken for good. */
 bool epxi_group_broken(const epxi_group_t *group);

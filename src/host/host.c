@@ -165,6 +165,16 @@ static epx_status_t agree(epx_comm_t *comm, const char *phase, epx_status_t mine
   return EPX_SUCCESS;
 }
 
+/* Shares `bytes` at `data` with the peers: peers[r] is rank r's copy, readable until the
+ * caller's next barrier. */
+static epx_status_t share(epx_comm_t *comm, const char *phase, const void *data, size_t bytes, const void **peers) {
+  return epxi_group_share(comm->world->group, comm->rank, phase, comm->cfg.timeout_ms, data, bytes, peers);
+}
+
+static epx_status_t done_reading(epx_comm_t *comm, const char *phase) {
+  return epxi_group_barrier(comm->world->group, comm->rank, phase, comm->cfg.timeout_ms);
+}
+
 static void *xcalloc(size_t n, size_t size, epx_status_t *s) {
   void *p = calloc(n ? n : 1, size);
   if (!p && *s == EPX_SUCCESS) *s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "host plan arrays");
@@ -191,34 +201,54 @@ static void plan_send(host_plan_t *p) {
   free(next_pair);
 }
 
-/* Receive side: read every source's plan and keep what lands here, in arrival order. */
-static void plan_recv(host_plan_t *p, const host_plan_t *const *peers) {
+/* A routing as shared with the peers: T, then idx [T, K], then weights [T, K]. */
+static size_t route_blob_bytes(int64_t T, int K) { return sizeof(int64_t) + (size_t)T * K * (sizeof(int32_t) + sizeof(float)); }
+
+static void route_blob_pack(const epxi_topk_t *r, void *blob) {
+  char *b = blob;
+  memcpy(b, &r->num_tokens, sizeof(int64_t));
+  memcpy(b + sizeof(int64_t), r->idx, sizeof(int32_t) * r->num_tokens * r->topk);
+  memcpy(b + sizeof(int64_t) + sizeof(int32_t) * r->num_tokens * r->topk, r->weights,
+         sizeof(float) * r->num_tokens * r->topk);
+}
+
+/* Receive side, from every source's routing: what lands here, in arrival order, and at which
+ * rows (the same sums as the source's plan_send, seen from the destination). */
+static void plan_recv(host_plan_t *p, const void *const *routes) {
   const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
   int64_t n = 0;
+  int64_t *next_pair = calloc(L, sizeof(int64_t));
   for (int s = 0; s < R; s++) {
-    const host_plan_t *src = peers[s];
-    for (int64_t t = 0; t < src->route.num_tokens; t++) {
-      if (src->dest_row[t * R + me] < 0) continue;
+    int64_t T;
+    memcpy(&T, routes[s], sizeof T);
+    const int32_t *idx = (const int32_t *)((const char *)routes[s] + sizeof(int64_t));
+    const float *w = (const float *)(idx + T * K);
+    for (int l = 0; l < L; l++) next_pair[l] = pair_base(p, me, l, s);
+    for (int64_t t = 0; t < T; t++) {
+      bool here_any = false;
+      for (int k = 0; k < K; k++) here_any |= idx[t * K + k] >= 0 && idx[t * K + k] / L == me;
+      if (!here_any) continue;
       p->recv_src[n] = s;
       p->recv_tok[n] = t;
       for (int k = 0; k < K; k++) {
-        int e = src->route.idx[t * K + k];
+        int e = idx[t * K + k];
         bool here = e >= 0 && e / L == me;
         p->recv_local[n * K + k] = here ? e % L : -1;
-        p->recv_weight[n * K + k] = here ? src->route.weights[t * K + k] : 0.0f;
-        p->recv_row[n * K + k] = here ? src->slot_row[t * K + k] : -1;
+        p->recv_weight[n * K + k] = here ? w[t * K + k] : 0.0f;
+        p->recv_row[n * K + k] = here ? next_pair[e % L]++ : -1;
       }
       n++;
     }
   }
+  free(next_pair);
 }
 
 static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *routing) {
   host_plan_t *p = h->impl;
-  const int R = p->nranks, E = p->num_experts, L = p->num_local, me = p->rank;
+  const int R = p->nranks, E = p->num_experts, L = p->num_local, K = p->topk, me = p->rank;
   plan_clear(p);
 
-  epx_status_t s = epxi_topk_from_routing(routing, E, p->topk, &p->route);
+  epx_status_t s = epxi_topk_from_routing(routing, E, K, &p->route);
   if (s == EPX_SUCCESS && p->ll && p->route.num_tokens > p->max_tokens)
     s = epxi_fail(EPX_ERR_LL_OVERFLOW, "rank %d has %lld tokens, more than max_tokens_per_rank = %d", me,
                   (long long)p->route.num_tokens, p->max_tokens);
@@ -234,22 +264,21 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
   if (agreed == EPX_SUCCESS)
     agreed = epxi_group_allgather(comm->world->group, me, "notify:counts", comm->cfg.timeout_ms, mine,
                                   row_ints * sizeof(int32_t), all);
+  if (agreed == EPX_SUCCESS)
+    for (int q = 0; q < R; q++) {
+      memcpy(p->tok + q * R, all + q * row_ints, sizeof(int32_t) * R);
+      memcpy(p->pair + q * E, all + q * row_ints + R, sizeof(int32_t) * E);
+    }
+  free(mine);
+  free(all);
   if (agreed != EPX_SUCCESS) {
-    free(mine);
-    free(all);
     plan_clear(p);
     return agreed;
   }
-  for (int q = 0; q < R; q++) {
-    memcpy(p->tok + q * R, all + q * row_ints, sizeof(int32_t) * R);
-    memcpy(p->pair + q * E, all + q * row_ints + R, sizeof(int32_t) * E);
-  }
-  free(mine);
-  free(all);
   p->counts = (epxi_counts_t){.nranks = R, .num_experts = E, .num_local = L, .tok = p->tok, .pair = p->pair};
 
   /* Positions. */
-  const int64_t T = p->route.num_tokens, K = p->topk;
+  const int64_t T = p->route.num_tokens;
   p->dest_row = xcalloc(T * R, sizeof(int64_t), &s);
   p->slot_row = xcalloc(T * K, sizeof(int64_t), &s);
   p->num_recv = epxi_recv_tokens(&p->counts, me);
@@ -259,7 +288,11 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
   p->recv_weight = xcalloc(p->num_recv * K, sizeof(float), &s);
   p->recv_row = xcalloc(p->num_recv * K, sizeof(int64_t), &s);
   p->pairs_per_local = xcalloc(L, sizeof(int32_t), &s);
-  if (s == EPX_SUCCESS) plan_send(p);
+  void *blob = xcalloc(route_blob_bytes(T, K), 1, &s);
+  if (s == EPX_SUCCESS) {
+    plan_send(p);
+    route_blob_pack(&p->route, blob);
+  }
   for (int l = 0; l < L; l++) {
     p->pairs_per_local[l] = (int32_t)epxi_expert_pairs(&p->counts, me, l);
     p->num_pairs += p->pairs_per_local[l];
@@ -268,14 +301,15 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
                 : p->ll           ? (int64_t)L * R * p->max_tokens
                                   : epxi_expert_block(&p->counts, me, L, p->align);
 
-  /* Arrival metadata: read the sources' send plans. */
+  /* Arrival metadata, from the sources' routings. */
   s = agree(comm, "notify:plan", s);
-  const void *peers[EPX_MAX_RANKS];
-  if (s == EPX_SUCCESS) s = epxi_group_share(comm->world->group, me, "notify:plan", comm->cfg.timeout_ms, p, peers);
+  const void *routes[EPX_MAX_RANKS];
+  if (s == EPX_SUCCESS) s = share(comm, "notify:routes", blob, route_blob_bytes(T, K), routes);
   if (s == EPX_SUCCESS) {
-    plan_recv(p, (const host_plan_t *const *)peers);
-    s = epxi_group_barrier(comm->world->group, me, "notify:plan-read", comm->cfg.timeout_ms);
+    plan_recv(p, routes);
+    s = done_reading(comm, "notify:routes-read");
   }
+  free(blob);
   if (s != EPX_SUCCESS) plan_clear(p);
   return s;
 }
@@ -294,84 +328,60 @@ static epx_status_t host_handle_info(const epx_handle_t *h, epx_handle_info_t *i
 
 /* ---- dispatch ------------------------------------------------------------------------- */
 
-/* What a receiver shows its senders. */
-typedef struct {
-  const epx_dispatch_args_t *args;
-  bool fits;           /* its buffers can hold the plan; senders skip it otherwise */
-  epx_status_t input;  /* a failure that stops every rank (its x is missing) */
-} recv_view_t;
-
+/* Every receiver reads each arriving token once from its source and writes it to every row
+ * the plan gives it: its token row, or one row per local expert it chose. */
 static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_dispatch_args_t *a) {
   host_plan_t *p = h->impl;
-  const int R = p->nranks, K = p->topk, H = p->hidden, me = p->rank;
+  const int K = p->topk, H = p->hidden, me = p->rank;
   const int64_t T = p->route.num_tokens;
 
-  epx_status_t s = EPX_SUCCESS;
-  recv_view_t view = {a, true, EPX_SUCCESS};
+  epx_status_t input = EPX_SUCCESS;
   if (T > 0 && !a->x)
-    s = view.input = epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", me, (long long)T);
-  if (!p->ll && a->recv_capacity < p->num_rows) {
-    view.fits = false;
+    input = epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", me, (long long)T);
+  EPX_CHECK(agree(comm, "dispatch:validate", input));
+  epx_status_t s = EPX_SUCCESS;
+  if (!p->ll && a->recv_capacity < p->num_rows)
     s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld", me,
                   (long long)p->num_rows, (long long)a->recv_capacity);
-  }
-  if (view.fits && p->expert_layout && !p->ll) /* padding rows: zero data, zero weight */
+
+  const void *xs[EPX_MAX_RANKS];
+  EPX_CHECK(share(comm, "dispatch:x", a->x, (size_t)T * H * epx_dtype_size(a->x_dtype), xs));
+  float *row = malloc(sizeof(float) * H), *scaled = malloc(sizeof(float) * H);
+  if (!row || !scaled) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "dispatch row");
+  if (s == EPX_SUCCESS && p->expert_layout && !p->ll) /* padding rows: zero data, zero weight */
     for (int l = 0; l < p->num_local; l++) {
       int64_t lo = epxi_expert_block(&p->counts, me, l, p->align) + p->pairs_per_local[l];
       int64_t hi = epxi_expert_block(&p->counts, me, l + 1, p->align);
-      for (int64_t row = lo; row < hi; row++) {
-        zero_recv_row(a, a->recv_x, a->recv_scales, row, H);
-        if (a->recv_probs) a->recv_probs[row] = 0.0f;
+      for (int64_t r = lo; r < hi; r++) {
+        zero_recv_row(a, a->recv_x, a->recv_scales, r, H);
+        if (a->recv_probs) a->recv_probs[r] = 0.0f;
       }
     }
-
-  const void *peers[EPX_MAX_RANKS];
-  EPX_CHECK(epxi_group_share(comm->world->group, me, "dispatch:views", comm->cfg.timeout_ms, &view, peers));
-  for (int d = 0; d < R; d++) {
-    epx_status_t input = ((const recv_view_t *)peers[d])->input;
-    if (input != EPX_SUCCESS)
-      return d == me ? input : epxi_fail(input, "dispatch: rank %d failed (%s)", d, epx_status_string(input));
-  }
-
-  /* Each token is read once and written to every row the plan gives it. */
-  float *row = malloc(sizeof(float) * H), *scaled = malloc(sizeof(float) * H);
-  for (int64_t t = 0; t < T && a->x; t++) {
-    load_row(a->x, a->x_dtype, t, H, row);
-    for (int d = 0; d < R; d++) {
-      const recv_view_t *v = peers[d];
-      int64_t r = p->dest_row[t * R + d];
-      if (r < 0 || !v->fits) continue;
-      const epx_dispatch_args_t *ra = v->args;
-      if (!p->expert_layout) {
-        store_recv_row(ra, ra->recv_x, ra->recv_scales, r, H, row);
-        for (int k = 0; k < K; k++) {
-          int e = p->route.idx[t * K + k];
-          bool here = e >= 0 && e / p->num_local == d;
-          if (ra->recv_topk_idx) ra->recv_topk_idx[r * K + k] = here ? e % p->num_local : -1;
-          if (ra->recv_topk_weights) ra->recv_topk_weights[r * K + k] = here ? p->route.weights[t * K + k] : 0.0f;
-        }
-        continue;
+  for (int64_t n = 0; n < p->num_recv && s == EPX_SUCCESS; n++) {
+    load_row(xs[p->recv_src[n]], a->x_dtype, p->recv_tok[n], H, row);
+    if (!p->expert_layout) {
+      store_recv_row(a, a->recv_x, a->recv_scales, n, H, row);
+      if (a->recv_topk_idx) memcpy(a->recv_topk_idx + n * K, p->recv_local + n * K, sizeof(int32_t) * K);
+      if (a->recv_topk_weights) memcpy(a->recv_topk_weights + n * K, p->recv_weight + n * K, sizeof(float) * K);
+      continue;
+    }
+    for (int k = 0; k < K; k++) {
+      int64_t r = p->recv_row[n * K + k];
+      if (r < 0) continue;
+      float w = p->recv_weight[n * K + k];
+      const float *src = row;
+      if (a->scale_by_probs) {
+        for (int c = 0; c < H; c++) scaled[c] = w * row[c];
+        src = scaled;
       }
-      for (int k = 0; k < K; k++) {
-        int e = p->route.idx[t * K + k];
-        if (e < 0 || e / p->num_local != d) continue;
-        int64_t pr = p->slot_row[t * K + k];
-        float w = p->route.weights[t * K + k];
-        const float *src = row;
-        if (a->scale_by_probs) {
-          for (int c = 0; c < H; c++) scaled[c] = w * row[c];
-          src = scaled;
-        }
-        store_recv_row(ra, ra->recv_x, ra->recv_scales, pr, H, src);
-        if (ra->recv_probs) ra->recv_probs[pr] = w;
-      }
+      store_recv_row(a, a->recv_x, a->recv_scales, r, H, src);
+      if (a->recv_probs) a->recv_probs[r] = w;
     }
   }
   free(row);
   free(scaled);
-  EPX_CHECK(epxi_group_barrier(comm->world->group, me, "dispatch:written", comm->cfg.timeout_ms));
-
-  if (view.fits) {
+  EPX_CHECK(done_reading(comm, "dispatch:x-read"));
+  if (s == EPX_SUCCESS) {
     if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
     if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
   }
@@ -379,12 +389,6 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
 }
 
 /* ---- combine -------------------------------------------------------------------------- */
-
-/* What a destination shows the sources: the rows they reduce and the weight gradients. */
-typedef struct {
-  const void *rows;          /* token layout: y; expert layout: the partials */
-  const float *weight_grad;  /* row_weight_grad as given */
-} combine_view_t;
 
 /* Expert layout, destination side: one partial per arrived token, its pairs weighted and
  * summed in ascending local expert, rounded once to the partial type. */
@@ -437,9 +441,16 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
     return s;
   }
 
-  combine_view_t view = {p->expert_layout ? partials : a->y, a->row_weight_grad};
-  const void *peers[EPX_MAX_RANKS];
-  s = epxi_group_share(comm->world->group, me, "combine:views", comm->cfg.timeout_ms, &view, peers);
+  /* Destinations show their rows (token layout: y; expert layout: the partials) and any
+   * weight gradients; sources pull. */
+  const void *rows[EPX_MAX_RANKS], *wgrads[EPX_MAX_RANKS];
+  size_t row_bytes = (size_t)H * epx_dtype_size(a->y_dtype);
+  s = p->expert_layout ? share(comm, "combine:partials", partials, p->num_recv * row_bytes, rows)
+                       : share(comm, "combine:rows", a->y, p->num_rows * row_bytes, rows);
+  if (s == EPX_SUCCESS && a->row_weight_grad) {
+    size_t n = p->expert_layout ? (size_t)p->num_rows : (size_t)p->num_rows * K;
+    s = share(comm, "combine:weight-grads", a->row_weight_grad, n * sizeof(float), wgrads);
+  }
   if (s != EPX_SUCCESS) {
     free(partials);
     return s;
@@ -453,7 +464,7 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
     for (int d = 0; d < R; d++) {
       int64_t r = p->dest_row[t * R + d];
       if (r < 0) continue;
-      load_row(((const combine_view_t *)peers[d])->rows, row_dtype, r, H, y);
+      load_row(rows[d], row_dtype, r, H, y);
       for (int c = 0; c < H; c++) acc[c] += y[c];
     }
     store_row(a->out, a->out_dtype, t, H, acc);
@@ -463,7 +474,7 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
       float g = 0.0f;
       if (e >= 0) {
         int d = e / p->num_local;
-        const float *wg = ((const combine_view_t *)peers[d])->weight_grad;
+        const float *wg = wgrads[d];
         g = p->expert_layout ? wg[p->slot_row[t * K + k]] : wg[p->dest_row[t * R + d] * K + k];
       }
       a->topk_weight_grad[t * K + k] = g;
@@ -471,7 +482,7 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   }
   free(acc);
   free(y);
-  s = epxi_group_barrier(comm->world->group, me, "combine:read", comm->cfg.timeout_ms);
+  s = done_reading(comm, "combine:read");
   free(partials);
   return s;
 }

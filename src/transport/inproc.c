@@ -116,7 +116,8 @@ epx_status_t epxi_group_barrier(epxi_group_t *g, int rank, const char *phase, in
 }
 
 epx_status_t epxi_group_share(epxi_group_t *g, int rank, const char *phase, int timeout_ms, const void *mine,
-                              const void **all) {
+                              size_t bytes, const void **all) {
+  (void)bytes; /* the peers read `mine` in place */
   int parity;
   EPX_CHECK(enter(g, rank, phase, timeout_ms, mine, &parity));
   /* Nobody can overwrite this parity's slots before every rank has entered the next
@@ -128,7 +129,7 @@ epx_status_t epxi_group_share(epxi_group_t *g, int rank, const char *phase, int 
 epx_status_t epxi_group_allgather(epxi_group_t *g, int rank, const char *phase, int timeout_ms, const void *mine,
                                   size_t bytes, void *all) {
   const void *ptrs[EPX_MAX_RANKS];
-  EPX_CHECK(epxi_group_share(g, rank, phase, timeout_ms, mine, ptrs));
+  EPX_CHECK(epxi_group_share(g, rank, phase, timeout_ms, mine, bytes, ptrs));
   for (int r = 0; r < g->nranks; r++) memcpy((char *)all + r * bytes, ptrs[r], bytes);
   /* `mine` must outlive the peers' copies. */
   return epxi_group_barrier(g, rank, phase, timeout_ms);
