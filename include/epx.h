@@ -139,6 +139,27 @@ EPX_API epx_status_t epx_world_destroy(epx_world_t *world);
 EPX_API int epx_world_nranks(const epx_world_t *world);
 EPX_API epx_backend_t epx_world_backend(const epx_world_t *world);
 
+/* ---- groups across processes (one process per GPU) ------------------------------------
+ * NCCL-style: one rank calls epx_get_unique_id (which starts the bootstrap listener on this
+ * host), the caller shares the id with the other processes however it likes, and every
+ * process calls epx_world_create_rank with it. Alternatively bootstrap over the caller's own
+ * allgather (e.g. torch.distributed). The world then drives one rank: the one given. */
+#define EPX_UNIQUE_ID_BYTES 128
+typedef struct {
+  char internal[EPX_UNIQUE_ID_BYTES];
+} epx_unique_id_t;
+
+EPX_API epx_status_t epx_get_unique_id(epx_unique_id_t *id);
+/* wc->nranks is the size of the whole group; this process drives `rank`. Collective over the
+ * processes; bounded by EPX_TIMEOUT_MS. */
+EPX_API epx_status_t epx_world_create_rank(const epx_world_config_t *wc, const epx_unique_id_t *id, int rank,
+                                           epx_world_t **world);
+/* Gathers `bytes` from every rank into all (rank-major); returns 0 on success. Called a few
+ * times during the world's creation only, from the creating thread. */
+typedef int (*epx_allgather_fn)(const void *mine, void *all, size_t bytes, void *ctx);
+EPX_API epx_status_t epx_world_create_rank_with(const epx_world_config_t *wc, int rank, epx_allgather_fn allgather,
+                                                void *ctx, epx_world_t **world);
+
 typedef struct {
   int num_experts;          /* E, a multiple of the group size */
   int hidden;               /* H */
