@@ -179,9 +179,16 @@ EPX_API epx_status_t epx_comm_destroy(epx_comm_t *comm);
 EPX_API int epx_comm_rank(const epx_comm_t *comm);
 EPX_API int epx_comm_nranks(const epx_comm_t *comm);
 EPX_API const epx_config_t *epx_comm_config(const epx_comm_t *comm);
-/* CUDA: the stream the comm's work goes to (a cudaStream_t; NULL is the legacy stream).
- * The host backend ignores it. */
+/* CUDA: the stream the comm's work goes to (a cudaStream_t). NULL restores the comm's own
+ * non-blocking stream. Ranks that share a GPU must not use the legacy default stream: it
+ * would serialise the ranks' kernels, which wait on each other. The host backend ignores it. */
 EPX_API epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream);
+
+/* Waits for the comm's queued work (CUDA: its stream), then returns the first failure its
+ * kernels recorded since the last report: a timeout, an output too small, a bad routing on
+ * some rank. This is how sync-free and graph-captured work learns its status. The host
+ * backend reports everything when each call returns, so this returns EPX_SUCCESS there. */
+EPX_API epx_status_t epx_comm_synchronize(epx_comm_t *comm);
 
 /* Runs fn(rank, arg) on one thread per rank 0..nranks-1 and waits for all of them. Statuses
  * (may be NULL) receives each rank's return value; the call returns the first failure. */

@@ -4,8 +4,9 @@
  * A run: every rank draws tokens and a top-k routing, then per iteration computes the layout,
  * plans (notify), dispatches, runs a stand-in expert on what it received (global expert e
  * multiplies by dense_expert_scale(e), so routing mistakes change the result) and combines.
- * Times are the median over iterations of the slowest rank. */
-#include <errno.h>
+ * Times are the median over iterations of the slowest rank, taken in stream order (CUDA
+ * events on the GPU). Every figure comes with its floor: the bytes the phase must move
+ * through memory over the measured copy bandwidth (all ranks share one device when emulated). */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -13,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_dev.h"
 #include "dense_ref.h"
 #include "epx.h"
 
@@ -24,21 +26,25 @@ typedef struct {
   uint64_t seed;
 } opts_t;
 
-enum { PH_LAYOUT, PH_NOTIFY, PH_DISPATCH, PH_COMBINE, PH_COUNT };
-static const char *const phase_names[PH_COUNT] = {"layout", "notify", "dispatch", "combine"};
+enum { PH_LAYOUT, PH_NOTIFY, PH_DISPATCH, PH_STANDIN, PH_COMBINE, PH_COUNT };
+static const char *const phase_names[PH_COUNT] = {"layout", "notify", "dispatch", "experts", "combine"};
+
+/* What each rank receives and sends, counted from the routing on the host. */
+typedef struct {
+  int64_t recv_tokens, recv_pairs, recv_rows, sent_copies;
+} sizes_t;
 
 typedef struct {
   opts_t o;
+  const bench_dev_t *dev;
   epx_world_t *world;
-  /* per rank inputs (host memory) */
+  /* per rank inputs and outputs (host memory) */
   void *x[EPX_MAX_RANKS];
   int32_t *idx[EPX_MAX_RANKS];
   float *w[EPX_MAX_RANKS];
   void *out[EPX_MAX_RANKS];
-  /* per rank, per iteration, per phase: seconds */
-  double *secs;
-  /* per rank: bytes its dispatch sends (rows that cross to another rank and stay local) */
-  double sent_dispatch[EPX_MAX_RANKS], sent_combine[EPX_MAX_RANKS];
+  sizes_t size[EPX_MAX_RANKS];
+  double *ms; /* [rank][iter][phase] */
   char error[EPX_MAX_RANKS][512];
 } bench_t;
 
@@ -58,19 +64,31 @@ static double now(void) {
 }
 
 static size_t esize(epx_dtype_t t) { return epx_dtype_size(t); }
+static int expert_rows(const opts_t *o) { return o->ll || o->expert_layout; }
+static int fp8_blocks(int hidden) { return (hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK; }
 
-/* ---- the stand-in expert on received rows (host memory) --------------------------------- */
+/* ---- the host "device": plain memory, wall-clock timestamps --------------------------- */
 
-static float recv_value(const void *recv_x, const float *scales, epx_dtype_t t, int64_t row, int hidden, int c) {
-  if (t == EPX_FLOAT32) return ((const float *)recv_x)[row * hidden + c];
-  if (t == EPX_BFLOAT16) return epx_bf16_to_float(((const uint16_t *)recv_x)[row * hidden + c]);
-  int blocks = (hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  return epx_e4m3_to_float(((const uint8_t *)recv_x)[row * hidden + c]) * scales[row * blocks + c / EPX_FP8_BLOCK];
+static void *host_alloc(size_t n) { return calloc(n ? n : 16, 1); }
+static void host_release(void *p) { free(p); }
+static void host_copy(void *d, const void *src, size_t n) { memcpy(d, src, n); }
+static void *host_stream_create(void) { return NULL; }
+static void host_stream_destroy(void *s) { (void)s; }
+static void *host_event_create(void) { return calloc(1, sizeof(double)); }
+static void host_event_record(void *ev, void *stream) {
+  (void)stream;
+  *(double *)ev = now();
+}
+static double host_elapsed_ms(void *a, void *b) { return (*(double *)b - *(double *)a) * 1e3; }
+
+static float recv_value(const bench_standin_t *a, int64_t row, int c) {
+  if (a->recv_dtype == EPX_FLOAT32) return ((const float *)a->recv_x)[row * a->hidden + c];
+  if (a->recv_dtype == EPX_BFLOAT16) return epx_bf16_to_float(((const uint16_t *)a->recv_x)[row * a->hidden + c]);
+  int blocks = (a->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  return epx_e4m3_to_float(((const uint8_t *)a->recv_x)[row * a->hidden + c]) * a->scales[row * blocks + c / EPX_FP8_BLOCK];
 }
 
-static float round_to(epx_dtype_t t, float v) {
-  return t == EPX_BFLOAT16 ? epx_bf16_to_float(epx_float_to_bf16(v)) : v;
-}
+static float round_to(epx_dtype_t t, float v) { return t == EPX_BFLOAT16 ? epx_bf16_to_float(epx_float_to_bf16(v)) : v; }
 
 static void put(void *y, epx_dtype_t t, int64_t i, float v) {
   if (t == EPX_BFLOAT16)
@@ -80,58 +98,93 @@ static void put(void *y, epx_dtype_t t, int64_t i, float v) {
 }
 
 /* Token layout: one row per token, its local slots' experts weighted and summed in slot order. */
-static void standin_tokens(const opts_t *o, int rank, int64_t rows, const void *recv_x, const float *scales,
-                           const int32_t *ridx, const float *rw, void *y) {
-  const int L = o->experts / o->ranks, H = o->hidden, K = o->topk;
-  for (int64_t n = 0; n < rows; n++)
-    for (int c = 0; c < H; c++) {
-      float xin = recv_value(recv_x, scales, o->recv_dtype, n, H, c), acc = 0.0f;
-      for (int k = 0; k < K; k++) {
-        int l = ridx[n * K + k];
+static void host_standin_tokens(const bench_standin_t *a, void *stream) {
+  (void)stream;
+  for (int64_t n = 0; n < a->rows; n++)
+    for (int c = 0; c < a->hidden; c++) {
+      float xin = recv_value(a, n, c), acc = 0.0f;
+      for (int k = 0; k < a->topk; k++) {
+        int l = a->recv_idx[n * a->topk + k];
         if (l < 0) continue;
-        acc += rw[n * K + k] * round_to(o->x_dtype, dense_expert_scale(rank * L + l) * xin);
+        acc += a->recv_w[n * a->topk + k] * round_to(a->y_dtype, dense_expert_scale(a->rank * a->num_local + l) * xin);
       }
-      put(y, o->x_dtype, n * H + c, acc);
+      put(a->y, a->y_dtype, n * a->hidden + c, acc);
     }
 }
 
-/* Expert layout: each row through its own expert; blocks of `stride` rows (or padded counts). */
-static void standin_experts(const opts_t *o, int rank, const int32_t *counts, const void *recv_x,
-                            const float *scales, void *y) {
-  const int L = o->experts / o->ranks, H = o->hidden;
+/* Expert layout: each counted row through its own expert. */
+static void host_standin_experts(const bench_standin_t *a, void *stream) {
+  (void)stream;
   int64_t start = 0;
-  for (int l = 0; l < L; l++) {
-    int64_t block = o->ll ? (int64_t)o->ranks * o->tokens : (counts[l] + o->align - 1) / o->align * o->align;
-    float f = dense_expert_scale(rank * L + l);
-    for (int64_t r = start; r < start + counts[l]; r++)
-      for (int c = 0; c < H; c++) put(y, o->x_dtype, r * H + c, f * recv_value(recv_x, scales, o->recv_dtype, r, H, c));
+  for (int l = 0; l < a->num_local; l++) {
+    int64_t block = a->ll_stride ? a->ll_stride : (a->counts[l] + a->align - 1) / a->align * a->align;
+    float f = dense_expert_scale(a->rank * a->num_local + l);
+    for (int64_t r = start; r < start + a->counts[l]; r++)
+      for (int c = 0; c < a->hidden; c++) put(a->y, a->y_dtype, r * a->hidden + c, f * recv_value(a, r, c));
     start += block;
   }
 }
 
+static double host_copy_bandwidth(void) {
+  const size_t bytes = (size_t)256 << 20;
+  char *a = malloc(bytes), *b = malloc(bytes);
+  memset(a, 1, bytes);
+  memset(b, 2, bytes);
+  double best = 1e30;
+  for (int i = 0; i < 3; i++) {
+    double t0 = now();
+    memcpy(b, a, bytes);
+    double t = now() - t0;
+    if (t < best) best = t;
+  }
+  free(a);
+  free(b);
+  return 2.0 * (double)bytes / best;
+}
+
+const bench_dev_t bench_host_dev = {
+    "host", host_alloc, host_release, host_copy, host_copy, host_stream_create, host_stream_destroy,
+    host_event_create, free, host_event_record, host_elapsed_ms, host_standin_tokens, host_standin_experts,
+    host_copy_bandwidth,
+};
+
 /* ---- one rank ------------------------------------------------------------------------- */
 
-#define FAIL(b, rank, ...)                                               \
-  do {                                                                   \
-    snprintf((b)->error[rank], sizeof (b)->error[rank], __VA_ARGS__);    \
-    goto done;                                                           \
-  } while (0)
-
-#define TRY(b, rank, call)                                                                          \
-  do {                                                                                              \
-    epx_status_t s_ = (call);                                                                       \
-    if (s_ != EPX_SUCCESS) FAIL(b, rank, "%s: %s (%s)", #call, epx_status_string(s_), epx_last_error()); \
+#define TRY(b, rank, call)                                                                        \
+  do {                                                                                            \
+    epx_status_t s_ = (call);                                                                     \
+    if (s_ != EPX_SUCCESS) {                                                                      \
+      snprintf((b)->error[rank], sizeof (b)->error[rank], "%s: %s (%s)", #call, epx_status_string(s_), \
+               epx_last_error());                                                                 \
+      goto done;                                                                                  \
+    }                                                                                             \
   } while (0)
 
 static epx_status_t run_rank(int rank, void *arg) {
   bench_t *b = arg;
   const opts_t *o = &b->o;
-  const int L = o->experts / o->ranks, H = o->hidden, K = o->topk, T = o->tokens;
+  const bench_dev_t *dev = b->dev;
+  const int L = o->experts / o->ranks, H = o->hidden, K = o->topk, T = o->tokens, R = o->ranks;
+  const int64_t rows = b->size[rank].recv_rows > 0 ? b->size[rank].recv_rows : 1;
   epx_comm_t *comm = NULL;
   epx_handle_t *handle = NULL;
-  void *recv_x = NULL, *y = NULL;
-  float *scales = NULL, *rw = NULL, *probs = NULL;
-  int32_t *ridx = NULL, counts[EPX_MAX_EXPERTS], per_rank[EPX_MAX_RANKS], *per_expert = NULL;
+  void *ev[PH_COUNT + 1] = {0};
+
+  /* Everything is allocated before the first collective call: an allocation must never
+   * wait on the device while a peer's kernel waits on this rank. */
+  void *stream = dev->stream_create();
+  void *x = dev->alloc((size_t)T * H * esize(o->x_dtype)), *out = dev->alloc((size_t)T * H * esize(o->x_dtype));
+  int32_t *idx = dev->alloc(sizeof(int32_t) * T * K), *per_rank = dev->alloc(sizeof(int32_t) * R),
+          *per_expert = dev->alloc(sizeof(int32_t) * o->experts), *counts = dev->alloc(sizeof(int32_t) * L),
+          *ridx = dev->alloc(sizeof(int32_t) * rows * K);
+  float *w = dev->alloc(sizeof(float) * T * K), *scales = dev->alloc(sizeof(float) * rows * fp8_blocks(H)),
+        *rw = dev->alloc(sizeof(float) * rows * K), *probs = dev->alloc(sizeof(float) * rows);
+  void *recv_x = dev->alloc((size_t)rows * H * esize(o->recv_dtype)), *y = dev->alloc((size_t)rows * H * esize(o->x_dtype));
+  int32_t *counts_host = calloc(L, sizeof(int32_t));
+  dev->upload(x, b->x[rank], (size_t)T * H * esize(o->x_dtype));
+  dev->upload(idx, b->idx[rank], sizeof(int32_t) * T * K);
+  dev->upload(w, b->w[rank], sizeof(float) * T * K);
+  for (int i = 0; i <= PH_COUNT; i++) ev[i] = dev->event_create();
 
   epx_config_t cfg;
   epx_config_init(&cfg);
@@ -141,88 +194,78 @@ static epx_status_t run_rank(int rank, void *arg) {
   cfg.max_tokens_per_rank = T;
   cfg.num_sms = o->num_sms;
   TRY(b, rank, epx_comm_init(b->world, rank, &cfg, &comm));
+  if (stream) TRY(b, rank, epx_comm_set_stream(comm, stream));
   epx_handle_config_t hc;
   epx_handle_config_init(&hc);
   hc.algo = o->ll ? EPX_ALGO_LL : EPX_ALGO_HT;
   hc.layout = o->expert_layout ? EPX_LAYOUT_EXPERT : EPX_LAYOUT_TOKEN;
   hc.align = o->align;
+  hc.exact = 0; /* sizes come from the host's count; no sync inside the timed phases */
   TRY(b, rank, epx_handle_create(comm, &hc, &handle));
 
-  epx_routing_t routing = {.num_tokens = T, .idx_dtype = EPX_INT32, .topk_idx = b->idx[rank], .topk_weights = b->w[rank]};
-  per_expert = malloc(sizeof(int32_t) * o->experts);
-
-  /* Plan once to size the receive buffers. */
-  TRY(b, rank, epx_notify(comm, handle, &routing));
-  epx_handle_info_t info;
-  TRY(b, rank, epx_handle_info(handle, &info, NULL));
-  int64_t rows = info.num_recv_rows > 0 ? info.num_recv_rows : 1;
-  int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  recv_x = malloc(rows * H * esize(o->recv_dtype));
-  y = calloc(rows * H, esize(o->x_dtype));
-  scales = malloc(sizeof(float) * rows * blocks);
-  ridx = malloc(sizeof(int32_t) * rows * K);
-  rw = malloc(sizeof(float) * rows * K);
-  probs = malloc(sizeof(float) * rows);
-  if (!recv_x || !y || !scales || !ridx || !rw || !probs || !per_expert) FAIL(b, rank, "out of memory for %lld rows", (long long)rows);
-  b->sent_dispatch[rank] = (double)info.num_sent_copies * H * esize(o->recv_dtype) +
-                           (o->recv_dtype == EPX_FP8_E4M3 ? (double)info.num_sent_copies * blocks * 4 : 0);
-  b->sent_combine[rank] = (double)info.num_sent_copies * H * esize(o->x_dtype);
-
+  epx_routing_t routing = {.num_tokens = T, .idx_dtype = EPX_INT32, .topk_idx = idx, .topk_weights = w};
   epx_dispatch_args_t da;
   epx_dispatch_args_init(&da);
-  da.x = b->x[rank];
+  da.x = x;
   da.x_dtype = o->x_dtype;
   da.recv_dtype = o->recv_dtype;
   da.recv_x = recv_x;
   da.recv_scales = scales;
   da.recv_capacity = rows;
-  da.recv_topk_idx = o->expert_layout || o->ll ? NULL : ridx;
-  da.recv_topk_weights = o->expert_layout || o->ll ? NULL : rw;
-  da.recv_probs = o->expert_layout || o->ll ? probs : NULL;
+  da.recv_topk_idx = expert_rows(o) ? NULL : ridx;
+  da.recv_topk_weights = expert_rows(o) ? NULL : rw;
+  da.recv_probs = expert_rows(o) ? probs : NULL;
   da.tokens_per_local_expert = counts;
 
   epx_combine_args_t ca;
   epx_combine_args_init(&ca);
   ca.y = y;
   ca.y_dtype = o->x_dtype;
-  ca.out = b->out[rank];
+  ca.out = out;
   ca.out_dtype = o->x_dtype;
-  ca.weighted = o->expert_layout || o->ll;
+  ca.weighted = expert_rows(o);
+
+  bench_standin_t sa = {.rank = rank, .nranks = R, .num_local = L, .hidden = H, .topk = K, .align = o->align,
+                        .ll_stride = o->ll ? (int64_t)R * T : 0, .recv_dtype = o->recv_dtype, .y_dtype = o->x_dtype,
+                        .rows = expert_rows(o) ? rows : b->size[rank].recv_tokens, .recv_x = recv_x,
+                        .scales = scales, .recv_idx = ridx, .recv_w = rw, .counts = counts, .y = y};
 
   for (int it = -o->warmup; it < o->iters; it++) {
-    double *secs = it >= 0 ? b->secs + ((size_t)rank * o->iters + it) * PH_COUNT : NULL;
-    double t0 = now();
+    dev->event_record(ev[0], stream);
     TRY(b, rank, epx_get_layout(comm, &routing, per_rank, per_expert, NULL));
-    double t1 = now();
+    dev->event_record(ev[1], stream);
     TRY(b, rank, epx_notify(comm, handle, &routing));
-    double t2 = now();
+    dev->event_record(ev[2], stream);
     TRY(b, rank, epx_dispatch(comm, handle, NULL, &da));
-    double t3 = now();
-    if (o->expert_layout || o->ll)
-      standin_experts(o, rank, counts, recv_x, scales, y);
+    dev->event_record(ev[3], stream);
+    if (expert_rows(o))
+      dev->standin_experts(&sa, stream);
     else
-      standin_tokens(o, rank, info.num_recv_tokens, recv_x, scales, ridx, rw, y);
-    double t4 = now();
+      dev->standin_tokens(&sa, stream);
+    dev->event_record(ev[4], stream);
     TRY(b, rank, epx_combine(comm, handle, &ca));
-    double t5 = now();
-    if (secs) {
-      secs[PH_LAYOUT] = t1 - t0;
-      secs[PH_NOTIFY] = t2 - t1;
-      secs[PH_DISPATCH] = t3 - t2;
-      secs[PH_COMBINE] = t5 - t4;
-    }
+    dev->event_record(ev[5], stream);
+    TRY(b, rank, epx_comm_synchronize(comm));
+    if (it >= 0)
+      for (int ph = 0; ph < PH_COUNT; ph++)
+        b->ms[((size_t)rank * o->iters + it) * PH_COUNT + ph] = dev->elapsed_ms(ev[ph], ev[ph + 1]);
   }
-  (void)L;
+  dev->download(counts_host, counts, sizeof(int32_t) * L);
+  dev->download(b->out[rank], out, (size_t)T * H * esize(o->x_dtype));
+  int64_t pairs = 0;
+  for (int l = 0; l < L; l++) pairs += counts_host[l];
+  if (pairs != b->size[rank].recv_pairs)
+    snprintf(b->error[rank], sizeof b->error[rank], "tokens_per_local_expert sums to %lld pairs, the routing has %lld",
+             (long long)pairs, (long long)b->size[rank].recv_pairs);
 done:
-  free(recv_x);
-  free(y);
-  free(scales);
-  free(ridx);
-  free(rw);
-  free(probs);
-  free(per_expert);
   epx_handle_destroy(handle);
   epx_comm_destroy(comm);
+  void *bufs[] = {x, out, idx, per_rank, per_expert, counts, ridx, w, scales, rw, probs, recv_x, y};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev->release(bufs[i]);
+  for (int i = 0; i <= PH_COUNT; i++)
+    if (ev[i]) dev->event_destroy(ev[i]);
+  dev->stream_destroy(stream);
+  free(counts_host);
   return b->error[rank][0] ? EPX_ERR_INTERNAL : EPX_SUCCESS;
 }
 
@@ -303,13 +346,13 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Median over iterations of the slowest rank. */
-static double phase_time(const bench_t *b, int ph) {
+/* Median over iterations of the slowest rank, in ms. */
+static double phase_ms(const bench_t *b, int ph) {
   double *v = malloc(sizeof(double) * b->o.iters);
   for (int it = 0; it < b->o.iters; it++) {
     v[it] = 0;
     for (int r = 0; r < b->o.ranks; r++) {
-      double s = b->secs[((size_t)r * b->o.iters + it) * PH_COUNT + ph];
+      double s = b->ms[((size_t)r * b->o.iters + it) * PH_COUNT + ph];
       if (s > v[it]) v[it] = s;
     }
   }
@@ -319,15 +362,64 @@ static double phase_time(const bench_t *b, int ph) {
   return m;
 }
 
+/* Receive sizes of every rank, from the routings. */
+static void count_sizes(bench_t *b) {
+  const opts_t *o = &b->o;
+  const int R = o->ranks, L = o->experts / R, K = o->topk;
+  int64_t *pairs = calloc((size_t)R * L, sizeof(int64_t));
+  for (int s = 0; s < R; s++)
+    for (int t = 0; t < o->tokens; t++) {
+      uint64_t ranks = 0;
+      for (int k = 0; k < K; k++) {
+        int e = b->idx[s][t * K + k];
+        if (e < 0) continue;
+        ranks |= 1ull << (e / L);
+        pairs[e]++;
+      }
+      for (int d = 0; d < R; d++)
+        if ((ranks >> d) & 1) b->size[d].recv_tokens++, b->size[s].sent_copies++;
+    }
+  for (int d = 0; d < R; d++) {
+    for (int l = 0; l < L; l++) {
+      b->size[d].recv_pairs += pairs[d * L + l];
+      b->size[d].recv_rows += (pairs[d * L + l] + o->align - 1) / o->align * o->align;
+    }
+    if (o->ll) b->size[d].recv_rows = (int64_t)L * R * o->tokens;
+    else if (!o->expert_layout) b->size[d].recv_rows = b->size[d].recv_tokens;
+  }
+  free(pairs);
+}
+
+/* Bytes each phase must read plus write in memory, summed over ranks (the emulation's floor
+ * at the copy bandwidth), and bytes that cross between ranks (the link's share). */
+static void phase_bytes(const bench_t *b, double *memory, double *link) {
+  const opts_t *o = &b->o;
+  const double H = o->hidden, xs = (double)esize(o->x_dtype), rs = (double)esize(o->recv_dtype),
+               sc = o->recv_dtype == EPX_FP8_E4M3 ? 4.0 * fp8_blocks(o->hidden) / H : 0.0;
+  for (int ph = 0; ph < PH_COUNT; ph++) memory[ph] = link[ph] = 0;
+  for (int r = 0; r < o->ranks; r++) {
+    const sizes_t *z = &b->size[r];
+    const double written = expert_rows(o) ? (double)(o->ll ? z->recv_pairs : z->recv_rows) : (double)z->recv_tokens;
+    memory[PH_DISPATCH] += (double)z->recv_tokens * H * xs + written * H * (rs + sc);
+    link[PH_DISPATCH] += (double)z->sent_copies * H * (rs + sc);
+    if (expert_rows(o))
+      memory[PH_COMBINE] += (double)z->recv_pairs * H * xs + 2.0 * (double)z->recv_tokens * H * xs;
+    else
+      memory[PH_COMBINE] += (double)z->recv_tokens * H * xs;
+    memory[PH_COMBINE] += (double)o->tokens * H * xs;
+    link[PH_COMBINE] += (double)z->sent_copies * H * xs;
+  }
+}
+
 /* Bit-for-bit comparison with the dense single-process layer. */
 static int check(const bench_t *b) {
   const opts_t *o = &b->o;
   dense_cfg_t dc = {.nranks = o->ranks, .num_experts = o->experts, .hidden = o->hidden, .topk = o->topk,
                     .x_dtype = o->x_dtype, .recv_dtype = o->recv_dtype, .y_dtype = o->x_dtype,
-                    .out_dtype = o->x_dtype, .expert_layout = o->expert_layout || o->ll};
+                    .out_dtype = o->x_dtype, .expert_layout = expert_rows(o)};
   int64_t nt[EPX_MAX_RANKS];
   void *want[EPX_MAX_RANKS];
-  size_t row = (size_t)o->hidden * esize(o->x_dtype);
+  const size_t es = esize(o->x_dtype), row = (size_t)o->hidden * es;
   for (int r = 0; r < o->ranks; r++) {
     nt[r] = o->tokens;
     want[r] = malloc(row * (o->tokens ? o->tokens : 1));
@@ -337,13 +429,12 @@ static int check(const bench_t *b) {
   if (bad) printf("check: FAILED (the dense reference refused the config)\n");
   for (int r = 0; r < o->ranks && !bad; r++)
     for (int64_t i = 0; i < (int64_t)o->tokens * o->hidden && !bad; i++) {
+      if (!memcmp((char *)b->out[r] + i * es, (char *)want[r] + i * es, es)) continue;
       float got = o->x_dtype == EPX_FLOAT32 ? ((float *)b->out[r])[i] : epx_bf16_to_float(((uint16_t *)b->out[r])[i]);
       float exp = o->x_dtype == EPX_FLOAT32 ? ((float *)want[r])[i] : epx_bf16_to_float(((uint16_t *)want[r])[i]);
-      if (memcmp((char *)b->out[r] + i * esize(o->x_dtype), (char *)want[r] + i * esize(o->x_dtype), esize(o->x_dtype))) {
-        printf("check: MISMATCH rank %d token %lld channel %lld: got %.9g, dense reference %.9g\n", r,
-               (long long)(i / o->hidden), (long long)(i % o->hidden), got, exp);
-        bad = 1;
-      }
+      printf("check: MISMATCH rank %d token %lld channel %lld: got %.9g, dense reference %.9g\n", r,
+             (long long)(i / o->hidden), (long long)(i % o->hidden), got, exp);
+      bad = 1;
     }
   if (!bad) printf("check: ok (bit for bit against the dense reference, %d ranks x %d tokens)\n", o->ranks, o->tokens);
   for (int r = 0; r < o->ranks; r++) free(want[r]);
@@ -351,8 +442,7 @@ static int check(const bench_t *b) {
 }
 
 int main(int argc, char **argv) {
-  bench_t b;
-  memset(&b, 0, sizeof b);
+  static bench_t b;
   int pr = parse(argc, argv, &b.o);
   if (pr) return pr > 0 ? 0 : 2;
   opts_t *o = &b.o;
@@ -369,19 +459,24 @@ int main(int argc, char **argv) {
     fprintf(stderr, "epx-bench: %s (%s)\n", epx_status_string(s), epx_last_error());
     return 2;
   }
-  const char *mode = o->ll ? "ll" : "ht", *layout = o->ll || o->expert_layout ? "expert" : "token";
+  b.dev = &bench_host_dev;
+#ifdef EPX_BENCH_CUDA
+  if (epx_world_backend(b.world) == EPX_BACKEND_CUDA) b.dev = &bench_cuda_dev;
+#endif
+  if (!o->num_sms) o->num_sms = 16;
+  const char *mode = o->ll ? "ll" : "ht", *layout = expert_rows(o) ? "expert" : "token";
   printf("epx-bench: backend %s, %d ranks, %d tokens/rank, hidden %d, %d experts, top-%d, %s%s, mode %s, layout %s, "
-         "align %d, seed %" PRIu64 "\n",
+         "align %d, %d SMs per rank, seed %" PRIu64 "\n",
          epx_backend_name(epx_world_backend(b.world)), o->ranks, o->tokens, o->hidden, o->experts, o->topk,
          epx_dtype_name(o->x_dtype), o->recv_dtype == EPX_FP8_E4M3 ? " (fp8 dispatch)" : "", mode, layout, o->align,
-         o->seed);
+         o->num_sms, o->seed);
 
   /* Inputs: values in [-2, 2), K distinct experts per token in random order, weights in (0, 1). */
   uint64_t rng = o->seed;
-  size_t row = (size_t)o->hidden * esize(o->x_dtype);
+  const size_t row = (size_t)o->hidden * esize(o->x_dtype);
   int *perm = malloc(sizeof(int) * o->experts);
   for (int r = 0; r < o->ranks; r++) {
-    int64_t n = (int64_t)o->tokens * o->hidden;
+    const int64_t n = (int64_t)o->tokens * o->hidden;
     b.x[r] = malloc(row * (o->tokens ? o->tokens : 1));
     b.out[r] = malloc(row * (o->tokens ? o->tokens : 1));
     b.idx[r] = malloc(sizeof(int32_t) * o->tokens * o->topk + 4);
@@ -404,10 +499,11 @@ int main(int argc, char **argv) {
     }
   }
   free(perm);
-  b.secs = calloc((size_t)o->ranks * o->iters * PH_COUNT, sizeof(double));
+  count_sizes(&b);
+  b.ms = calloc((size_t)o->ranks * o->iters * PH_COUNT, sizeof(double));
+  const double copy_bw = b.dev->copy_bandwidth();
 
-  epx_status_t statuses[EPX_MAX_RANKS];
-  s = epx_run_ranks(o->ranks, run_rank, &b, statuses);
+  epx_run_ranks(o->ranks, run_rank, &b, NULL);
   int rc = 0;
   for (int r = 0; r < o->ranks; r++)
     if (b.error[r][0]) {
@@ -415,27 +511,33 @@ int main(int argc, char **argv) {
       rc = 1;
     }
   if (!rc) {
-    double dbytes = 0, cbytes = 0;
-    for (int r = 0; r < o->ranks; r++) dbytes += b.sent_dispatch[r], cbytes += b.sent_combine[r];
-    double bytes[PH_COUNT] = {0, 0, dbytes, cbytes};
-    printf("%-10s %12s %14s %10s\n", "phase", "time (ms)", "bytes", "GB/s");
+    double memory[PH_COUNT], link[PH_COUNT];
+    phase_bytes(&b, memory, link);
+    printf("copy bandwidth (read + write): %.0f GB/s, the floor below\n", copy_bw * 1e-9);
+    printf("%-9s %10s %14s %10s %10s %8s\n", "phase", "time ms", "link bytes", "link GB/s", "floor ms", "of floor");
     for (int ph = 0; ph < PH_COUNT; ph++) {
-      double t = phase_time(&b, ph);
-      if (bytes[ph] > 0)
-        printf("%-10s %12.3f %14.0f %10.2f\n", phase_names[ph], t * 1e3, bytes[ph], bytes[ph] / t * 1e-9);
-      else
-        printf("%-10s %12.3f %14s %10s\n", phase_names[ph], t * 1e3, "-", "-");
+      const double ms = phase_ms(&b, ph);
+      if (link[ph] > 0) {
+        const double floor_ms = memory[ph] / copy_bw * 1e3;
+        printf("%-9s %10.3f %14.0f %10.1f %10.3f %7.0f%%\n", phase_names[ph], ms, link[ph], link[ph] / ms * 1e-6,
+               floor_ms, 100.0 * floor_ms / ms);
+      } else {
+        printf("%-9s %10.3f %14s %10s %10s %8s\n", phase_names[ph], ms, "-", "-", "-", "-");
+      }
     }
-    printf("bytes: rows sent by all ranks (a token crosses to a rank once); times: median over %d iterations of "
-           "the slowest rank\n",
+    printf("link bytes: rows that cross between ranks (a token crosses to a rank once); floor: bytes each phase\n"
+           "reads and writes in memory over the copy bandwidth; times: median over %d iterations of the slowest rank\n",
            o->iters);
     if (o->json) {
       printf("{\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
-             "\"recv_dtype\":\"%s\",\"mode\":\"%s\",\"layout\":\"%s\",\"seed\":%" PRIu64,
+             "\"recv_dtype\":\"%s\",\"mode\":\"%s\",\"layout\":\"%s\",\"num_sms\":%d,\"seed\":%" PRIu64
+             ",\"copy_gbps\":%.1f",
              epx_backend_name(epx_world_backend(b.world)), o->ranks, o->tokens, o->hidden, o->experts, o->topk,
-             epx_dtype_name(o->x_dtype), epx_dtype_name(o->recv_dtype), mode, layout, o->seed);
+             epx_dtype_name(o->x_dtype), epx_dtype_name(o->recv_dtype), mode, layout, o->num_sms, o->seed,
+             copy_bw * 1e-9);
       for (int ph = 0; ph < PH_COUNT; ph++)
-        printf(",\"%s_ms\":%.6f,\"%s_bytes\":%.0f", phase_names[ph], phase_time(&b, ph) * 1e3, phase_names[ph], bytes[ph]);
+        printf(",\"%s_ms\":%.6f,\"%s_link_bytes\":%.0f,\"%s_floor_ms\":%.6f", phase_names[ph], phase_ms(&b, ph),
+               phase_names[ph], link[ph], phase_names[ph], memory[ph] / copy_bw * 1e3);
       printf("}\n");
     }
     if (o->check) rc = check(&b);
@@ -446,8 +548,7 @@ int main(int argc, char **argv) {
     free(b.idx[r]);
     free(b.w[r]);
   }
-  free(b.secs);
+  free(b.ms);
   epx_world_destroy(b.world);
-  (void)s;
   return rc;
 }

@@ -62,6 +62,8 @@ epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world)
   if (!w) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "world");
   w->backend = backend;
   w->nranks = wc->nranks;
+  w->first_rank = 0;
+  w->num_local = wc->nranks;
   w->ops = ops;
   for (int r = 0; r < w->nranks; r++) w->devices[r] = wc->devices ? wc->devices[r] : -1;
   epx_status_t s = epxi_group_create(w->nranks, &w->group);
@@ -81,6 +83,90 @@ epx_status_t epx_world_destroy(epx_world_t *world) {
   epxi_group_destroy(world->group);
   free(world);
   return EPX_SUCCESS;
+}
+
+/* ---- worlds of one rank of a group across processes ---------------------------------- */
+
+/* The caller's allgather as a bootstrap exchange. */
+typedef struct {
+  epx_allgather_fn fn;
+  void *ctx;
+  int rank;
+} user_exchange_t;
+
+static epx_status_t user_exchange(const void *mine, void *all, size_t bytes, void *ctx) {
+  user_exchange_t *u = ctx;
+  int rc = u->fn(mine, all, bytes, u->ctx);
+  if (rc != 0)
+    return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: the caller's allgather failed (returned %d)", u->rank, rc);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t world_create_rank(const epx_world_config_t *wc, int rank, epxi_exchange_fn exchange, void *ctx,
+                                      epx_world_t **world) {
+  epx_backend_t backend = wc->backend;
+  if (backend == EPX_BACKEND_AUTO)
+    backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+  EPX_CHECK(epx_backend_available(backend));
+  const epxi_backend_t *ops = backend_ops(backend);
+  if (!ops) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
+  /* The CUDA backend does not exchange IPC handles yet: until it does, groups across
+   * processes run on the host backend. (Its world_create will get a world with
+   * first_rank/num_local set and a group whose allgather reaches every process.) */
+  if (backend != EPX_BACKEND_HOST)
+    return epxi_fail(EPX_ERR_UNSUPPORTED,
+                     "rank %d: groups across processes run on the host backend only in this build (asked for %s%s)",
+                     rank, epx_backend_name(backend), wc->backend == EPX_BACKEND_AUTO ? " through auto" : "");
+
+  epx_world_t *w = calloc(1, sizeof *w);
+  if (!w) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "world");
+  w->backend = backend;
+  w->nranks = wc->nranks;
+  w->first_rank = rank;
+  w->num_local = 1;
+  w->ops = ops;
+  for (int r = 0; r < w->nranks; r++) w->devices[r] = wc->devices ? wc->devices[r] : -1;
+  epx_status_t s =
+      epxi_shm_group_create(w->nranks, rank, (int)backend, exchange, ctx, epxi_env()->timeout_ms, &w->group);
+  if (s == EPX_SUCCESS && ops->world_create) s = ops->world_create(w);
+  if (s != EPX_SUCCESS) {
+    if (w->group) epxi_group_destroy(w->group);
+    free(w);
+    return s;
+  }
+  *world = w;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t check_rank_args(const epx_world_config_t *wc, int rank, epx_world_t **world, const char *fn) {
+  if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: config and world are required", fn);
+  *world = NULL;
+  if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: nranks %d outside [1, %d]", fn, wc->nranks, EPX_MAX_RANKS);
+  if (rank < 0 || rank >= wc->nranks)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: rank %d outside [0, %d)", fn, rank, wc->nranks);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_world_create_rank(const epx_world_config_t *wc, const epx_unique_id_t *id, int rank,
+                                   epx_world_t **world) {
+  epxi_clear_error();
+  EPX_CHECK(check_rank_args(wc, rank, world, "epx_world_create_rank"));
+  if (!id) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create_rank: id is required");
+  epxi_bootstrap_t *conn;
+  EPX_CHECK(epxi_bootstrap_connect(id, rank, wc->nranks, epxi_env()->timeout_ms, &conn));
+  epx_status_t s = world_create_rank(wc, rank, epxi_bootstrap_exchange, conn, world);
+  epxi_bootstrap_close(conn);
+  return s;
+}
+
+epx_status_t epx_world_create_rank_with(const epx_world_config_t *wc, int rank, epx_allgather_fn allgather, void *ctx,
+                                        epx_world_t **world) {
+  epxi_clear_error();
+  EPX_CHECK(check_rank_args(wc, rank, world, "epx_world_create_rank_with"));
+  if (!allgather) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create_rank_with: allgather is required");
+  user_exchange_t u = {.fn = allgather, .ctx = ctx, .rank = rank};
+  return world_create_rank(wc, rank, user_exchange, &u, world);
 }
 
 int epx_world_nranks(const epx_world_t *world) { return world ? world->nranks : 0; }
@@ -147,6 +233,10 @@ epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg
   if (!world || !cfg || !comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_init: world, config and comm are required");
   if (rank < 0 || rank >= world->nranks)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d outside [0, %d)", rank, world->nranks);
+  if (rank < world->first_rank || rank >= world->first_rank + world->num_local)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                     "rank %d is not driven by this world: it drives ranks [%d, %d) of a group of %d", rank,
+                     world->first_rank, world->first_rank + world->num_local, world->nranks);
   config_vote_t mine = {.status = check_config(cfg, world->nranks), .cfg = *cfg};
   if (mine.cfg.num_sms == 0) mine.cfg.num_sms = epxi_env()->num_sms;
   if (mine.cfg.timeout_ms == 0) mine.cfg.timeout_ms = epxi_env()->timeout_ms;
@@ -188,9 +278,20 @@ epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream) {
   return EPX_SUCCESS;
 }
 
-/* A comm whose group broke cannot be trusted with another collective. */
+/* Marks the comm broken when the group failed under the call. */
+static epx_status_t collective_result(epx_comm_t *comm, epx_status_t s) {
+  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN) comm->broken = true;
+  return s;
+}
+
+/* A comm whose group broke cannot be trusted with another collective; a failure the device
+ * recorded since the last call is reported now. */
 static epx_status_t check_comm(epx_comm_t *comm, const char *op) {
   if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: comm is NULL", op);
+  if (!comm->broken && comm->world->ops->poll) {
+    epx_status_t s = comm->world->ops->poll(comm);
+    if (s != EPX_SUCCESS) return collective_result(comm, s);
+  }
   if (comm->broken || epxi_group_broken(comm->world->group)) {
     comm->broken = true;
     return epxi_fail(EPX_ERR_BROKEN, "%s on rank %d: the group broke earlier; destroy and re-create it", op,
@@ -199,10 +300,11 @@ static epx_status_t check_comm(epx_comm_t *comm, const char *op) {
   return EPX_SUCCESS;
 }
 
-/* Marks the comm broken when the group failed under the call. */
-static epx_status_t collective_result(epx_comm_t *comm, epx_status_t s) {
-  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN) comm->broken = true;
-  return s;
+epx_status_t epx_comm_synchronize(epx_comm_t *comm) {
+  epxi_clear_error();
+  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_synchronize: comm is NULL");
+  if (!comm->world->ops->synchronize) return EPX_SUCCESS;
+  return collective_result(comm, comm->world->ops->synchronize(comm));
 }
 
 /* ---- layout and handles --------------------------------------------------------------- */

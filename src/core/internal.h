@@ -39,22 +39,74 @@ const epxi_env_t *epxi_env(void);
 /* ---- host-side rendezvous of the group (transport/) ------------------------------------ */
 
 /* The ranks' meeting point on the host: bounded barriers and exchanges. Every backend uses
- * it for set-up (config check) and the host backend for everything. */
+ * it for set-up (config check, and later the exchange of device memory handles) and the host
+ * backend for everything. Two implementations behind one small vtable:
+ *   in-process (inproc.c)  the ranks are threads of this process; peers read each other's
+ *                          memory in place.
+ *   cross-process (shm.c)  one rank per process, all on this host; barriers on counters in
+ *                          shared memory (memfd, passed over unix sockets: no names in
+ *                          /dev/shm), shares copied through each rank's shared segment, peers'
+ *                          deaths seen through their sockets and pids.
+ * Every call is made by the thread that drives `rank`; all ranks make the same sequence of
+ * calls (barrier, share, allgather) in the same order. */
 typedef struct epxi_group epxi_group_t;
 
+typedef struct {
+  const char *name;
+  void (*destroy)(epxi_group_t *group);
+  epx_status_t (*barrier)(epxi_group_t *group, int rank, const char *phase, int timeout_ms);
+  epx_status_t (*share)(epxi_group_t *group, int rank, const char *phase, int timeout_ms, const void *mine,
+                        size_t bytes, const void **all);
+  bool (*broken)(const epxi_group_t *group);
+} epxi_group_ops_t;
+
+/* The head of every implementation's group. */
+struct epxi_group {
+  const epxi_group_ops_t *ops;
+  int nranks;       /* ranks of the whole group */
+  int first_rank;   /* this process drives ranks [first_rank, first_rank + num_local) */
+  int num_local;
+};
+
+/* In-process group: this process drives all nranks ranks (inproc.c). */
 epx_status_t epxi_group_create(int nranks, epxi_group_t **group);
+
+/* The bootstrap exchange of a cross-process group: gathers `bytes` from every rank into all,
+ * rank-major. Records a message and returns the failure (bounded by its own deadline). */
+typedef epx_status_t (*epxi_exchange_fn)(const void *mine, void *all, size_t bytes, void *ctx);
+
+/* Cross-process group of nranks ranks on this host, of which this process drives `rank`
+ * (shm.c). Collective over the processes: exchanges (rank, pid, backend, socket name) through
+ * `exchange`, passes the shared segments over unix sockets, and agrees on the outcome, so
+ * every rank succeeds or every rank fails. `backend` must be the same on every rank
+ * (EPX_ERR_CONFIG_MISMATCH otherwise). Every wait is bounded by timeout_ms. */
+epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_exchange_fn exchange, void *ctx,
+                                   int timeout_ms, epxi_group_t **group);
+
+/* TCP bootstrap of epx_get_unique_id / epx_world_create_rank (bootstrap.c): a connection to
+ * the id's listener whose epxi_bootstrap_exchange is an epxi_exchange_fn (ctx = the
+ * connection). Only loopback addresses are ever contacted. */
+typedef struct epxi_bootstrap epxi_bootstrap_t;
+epx_status_t epxi_bootstrap_connect(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
+                                    epxi_bootstrap_t **conn);
+epx_status_t epxi_bootstrap_exchange(const void *mine, void *all, size_t bytes, void *ctx);
+void epxi_bootstrap_close(epxi_bootstrap_t *conn);
+
+/* The calls below dispatch through group->ops (group.c). */
 void epxi_group_destroy(epxi_group_t *group);
 /* Every rank contributes `bytes` at `mine`; `all` receives nranks * bytes, rank-major.
  * `phase` names the step in the timeout message. */
 epx_status_t epxi_group_allgather(epxi_group_t *group, int rank, const char *phase, int timeout_ms,
                                   const void *mine, size_t bytes, void *all);
 /* Shares `bytes` at `mine` with the peers: all[r] is rank r's data, readable until this rank
- * enters its next barrier (the caller's "done reading" barrier). In-process the peers read
- * the caller's memory directly; a cross-process group copies through shared memory. */
+ * enters its next barrier (the caller's "done reading" barrier; several shares may come
+ * before it, and all of them stay readable). In-process the peers read the caller's memory
+ * directly; a cross-process group copies through shared memory. */
 epx_status_t epxi_group_share(epxi_group_t *group, int rank, const char *phase, int timeout_ms,
                               const void *mine, size_t bytes, const void **all);
 epx_status_t epxi_group_barrier(epxi_group_t *group, int rank, const char *phase, int timeout_ms);
-/* True once a wait of this group has timed out: the group is broken for good. */
+/* True once a wait of this group has failed (timeout, lost peer): the group is broken for
+ * good. */
 bool epxi_group_broken(const epxi_group_t *group);
 
 /* ---- objects --------------------------------------------------------------------------- */
@@ -63,8 +115,10 @@ typedef struct epxi_backend epxi_backend_t;
 
 struct epx_world {
   epx_backend_t backend;
-  int nranks;
-  int devices[EPX_MAX_RANKS];
+  int nranks;            /* ranks of the whole group */
+  int first_rank;        /* this process drives ranks [first_rank, first_rank + num_local): */
+  int num_local;         /*   all of them (epx_world_create) or one (epx_world_create_rank*) */
+  int devices[EPX_MAX_RANKS]; /* by global rank */
   const epxi_backend_t *ops;
   epxi_group_t *group;
   void *impl;            /* backend's per-world state */
@@ -112,6 +166,10 @@ struct epxi_backend {
                               int32_t *tokens_per_local_expert);
   epx_status_t (*dispatch)(epx_comm_t *comm, epx_handle_t *handle, const epx_dispatch_args_t *args);
   epx_status_t (*combine)(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args);
+  /* Optional. poll: a failure the device recorded since the last report, without waiting.
+   * synchronize: wait for the comm's queued work, then report as poll does. */
+  epx_status_t (*poll)(epx_comm_t *comm);
+  epx_status_t (*synchronize)(epx_comm_t *comm);
 };
 
 extern const epxi_backend_t epxi_host_backend;

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
+# and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
+#   scripts/gpu_check.sh [tests|bench|all]      (default all)
+# Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+out=${OUT:-gpu-check-out}
+mkdir -p "$out"
+build=${EPX_GPU_BUILD:-build-gpu}
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH="$PWD/$build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+if [ ! -x "$build/epx-bench" ]; then
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >"$out/build.log" 2>&1 && cmake --build "$build" -j >>"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; exit 1; }
+fi
+
+summary=()
+run() { # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-28s %-6s %4ds' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)))")
+  tail -5 "$out/$name.log"
+  return $rc
+}
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  for t in test_cuda_faults test_cuda_graph test_cuda_match; do
+    run "$t" timeout 900 "$build/tests/gpu/$t"
+  done
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  b="$build/epx-bench --backend cuda --json"
+  run bench-default-check   $b --check
+  run bench-ds3-token       $b --tokens 4096 --iters 10 --check
+  run bench-ds3-expert      $b --tokens 4096 --iters 10 --layout expert --align 128 --check
+  run bench-ds3-fp8         $b --tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128 --check
+  run bench-prefill32k      $b --tokens 32768 --iters 5
+  run bench-ll128           $b --tokens 128 --iters 50 --mode ll --check
+  run bench-ll128-fp8       $b --tokens 128 --iters 50 --mode ll --dtype fp8 --check
+fi
+
+echo
+echo "== summary =="
+printf '%s\n' "${summary[@]}"
+grep -h '^{' "$out"/bench-*.log 2>/dev/null > "$out/bench.jsonl" || true
+for f in "$out"/bench-*.log; do
+  [ -f "$f" ] || continue
+  echo "-- $(basename "$f" .log)"
+  grep -E '^(copy|dispatch|combine|notify|check)' "$f"
+done

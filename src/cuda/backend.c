@@ -1,0 +1,456 @@
+/* The CUDA backend's host side: memory, streams, the peer table, and the order of launches
+ * that makes each operation. Thin on purpose: all data movement is in the kernels.
+ *
+ * Every operation is enqueued on the comm's stream and returns without waiting, except where
+ * the caller asked for exact sizes (the handle's `exact`): then notify waits for the counts.
+ * Allocations after set-up are stream-ordered (cudaMallocAsync), so growing a buffer never
+ * synchronises the device while a peer's kernel waits on this rank. */
+#include <cuda_runtime_api.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/internal.h"
+#include "cuda/cuda_shared.h"
+
+typedef struct {
+  epxc_error_t *errors_host; /* [R], host-mapped */
+  epxc_error_t *errors_dev;
+  epxc_state_t *states[EPX_MAX_RANKS];
+} cuda_world_t;
+
+typedef struct {
+  int device;
+  cudaStream_t own_stream;
+  epxc_state_t *state;
+  epxc_group_t group;
+  epxc_shape_t shape;
+} cuda_comm_t;
+
+/* What the host learns of a plan in exact mode (pinned). */
+typedef struct {
+  int32_t status, group_status;
+  uint64_t bad_key;
+  int64_t num_tokens, num_recv, num_rows, num_pairs, sent_copies;
+} plan_summary_t;
+
+typedef struct {
+  epxc_plan_t *dev;        /* the device struct */
+  epxc_plan_t host;        /* its pointers and strides, as uploaded */
+  int64_t token_cap;       /* tokens the send-side buffers hold */
+  void *partials;          /* combine's per-token partials */
+  size_t partial_bytes;
+  int64_t recv_capacity;   /* last dispatch's, sizes the partials in sync-free mode */
+  plan_summary_t *summary;   /* exact mode's copy of the counts */
+  int32_t *pairs_local_host; /* [L] */
+  bool known;              /* summary holds this plan (exact mode) */
+} cuda_handle_t;
+
+static const char *const phase_names[EPXC_PH_COUNT] = {
+    [EPXC_PH_NOTIFY] = "notify",       [EPXC_PH_NOTIFY_DONE] = "notify (closing)",
+    [EPXC_PH_DISPATCH] = "dispatch",   [EPXC_PH_DISPATCH_DONE] = "dispatch (closing)",
+    [EPXC_PH_COMBINE] = "combine",     [EPXC_PH_COMBINE_DONE] = "combine (closing)",
+    [EPXC_PH_LL_DISPATCH] = "low-latency dispatch", [EPXC_PH_LL_COMBINE] = "low-latency combine",
+};
+
+static epx_status_t cuda_fail(cudaError_t e, const char *what) {
+  return epxi_fail(EPX_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+#define CUDA_TRY(call, what)                       \
+  do {                                             \
+    cudaError_t e_ = (call);                       \
+    if (e_ != cudaSuccess) return cuda_fail(e_, what); \
+  } while (0)
+
+#define LAUNCH_TRY(call, what) CUDA_TRY((cudaError_t)(call), what)
+
+epx_status_t epxi_cuda_available(void) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "no CUDA device is available (%s)",
+                     e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  return EPX_SUCCESS;
+}
+
+static cuda_comm_t *CC(const epx_comm_t *c) { return (cuda_comm_t *)c->impl; }
+static cudaStream_t stream_of(const epx_comm_t *c) { return c->stream ? (cudaStream_t)c->stream : CC(c)->own_stream; }
+
+/* ---- world ------------------------------------------------------------------------------ */
+
+static epx_status_t cuda_world_create(epx_world_t *w) {
+  int count = 0;
+  CUDA_TRY(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  for (int r = 0; r < w->nranks; r++) {
+    if (w->devices[r] < 0) w->devices[r] = r % count;
+    if (w->devices[r] >= count)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: device %d, but %d are visible", r, w->devices[r], count);
+  }
+  /* Ranks on different GPUs read each other's memory directly. */
+  for (int a = 0; a < w->nranks; a++)
+    for (int b = 0; b < w->nranks; b++) {
+      int da = w->devices[a], db = w->devices[b], ok = 0;
+      if (da == db) continue;
+      CUDA_TRY(cudaDeviceCanAccessPeer(&ok, da, db), "cudaDeviceCanAccessPeer");
+      if (!ok) return epxi_fail(EPX_ERR_UNSUPPORTED, "device %d cannot access device %d's memory (no P2P)", da, db);
+      CUDA_TRY(cudaSetDevice(da), "cudaSetDevice");
+      cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return cuda_fail(e, "cudaDeviceEnablePeerAccess");
+      cudaGetLastError();
+      /* plans live in stream-ordered memory: peers read it too */
+      cudaMemPool_t pool;
+      CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, db), "cudaDeviceGetDefaultMemPool");
+      struct cudaMemAccessDesc access = {.location = {.type = cudaMemLocationTypeDevice, .id = da},
+                                         .flags = cudaMemAccessFlagsProtReadWrite};
+      CUDA_TRY(cudaMemPoolSetAccess(pool, &access, 1), "cudaMemPoolSetAccess");
+    }
+  cuda_world_t *cw = calloc(1, sizeof *cw);
+  if (!cw) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world");
+  CUDA_TRY(cudaSetDevice(w->devices[0]), "cudaSetDevice");
+  cudaError_t e = cudaHostAlloc((void **)&cw->errors_host, sizeof(epxc_error_t) * w->nranks,
+                                cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    free(cw);
+    return cuda_fail(e, "cudaHostAlloc (error words)");
+  }
+  memset(cw->errors_host, 0, sizeof(epxc_error_t) * w->nranks);
+  e = cudaHostGetDevicePointer((void **)&cw->errors_dev, cw->errors_host, 0);
+  if (e != cudaSuccess) {
+    cudaFreeHost(cw->errors_host);
+    free(cw);
+    return cuda_fail(e, "cudaHostGetDevicePointer");
+  }
+  w->impl = cw;
+  return EPX_SUCCESS;
+}
+
+static void cuda_world_destroy(epx_world_t *w) {
+  cuda_world_t *cw = w->impl;
+  if (!cw) return;
+  cudaFreeHost(cw->errors_host);
+  free(cw);
+}
+
+/* ---- comm ------------------------------------------------------------------------------- */
+
+static epx_status_t cuda_comm_init(epx_comm_t *c) {
+  epx_world_t *w = c->world;
+  cuda_world_t *cw = w->impl;
+  const int dev = w->devices[c->rank];
+  struct cudaDeviceProp prop;
+  CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice");
+  CUDA_TRY(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  /* The ranks' exchanges wait on each other: every rank's kernels must fit on the GPU at once. */
+  int sharing = 0;
+  for (int r = 0; r < w->nranks; r++) sharing += w->devices[r] == dev;
+  if (sharing * c->cfg.num_sms > prop.multiProcessorCount)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                     "num_sms %d x %d ranks on device %d needs %d SMs, the GPU has %d: the ranks could not run "
+                     "at once",
+                     c->cfg.num_sms, sharing, dev, sharing * c->cfg.num_sms, prop.multiProcessorCount);
+  cuda_comm_t *cc = calloc(1, sizeof *cc);
+  if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
+  cc->device = dev;
+  /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
+   * kernels waiting that a device-wide sync would stall. */
+  cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), cc->own_stream);
+  if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
+  if (e != cudaSuccess) {
+    if (cc->state) cudaFree(cc->state);
+    if (cc->own_stream) cudaStreamDestroy(cc->own_stream);
+    free(cc);
+    return cuda_fail(e, "comm state");
+  }
+  cw->errors_host[c->rank] = (epxc_error_t){0};
+  void *states[EPX_MAX_RANKS];
+  epx_status_t s = epxi_group_allgather(w->group, c->rank, "comm_init:cuda", c->cfg.timeout_ms, &cc->state,
+                                        sizeof(void *), states);
+  if (s != EPX_SUCCESS) {
+    cudaFree(cc->state);
+    cudaStreamDestroy(cc->own_stream);
+    free(cc);
+    return s;
+  }
+  cc->group.rank = c->rank;
+  cc->group.nranks = c->nranks;
+  for (int r = 0; r < c->nranks; r++) cc->group.state[r] = states[r];
+  cc->group.errors = cw->errors_dev;
+  cc->group.timeout_ns = (uint64_t)c->cfg.timeout_ms * 1000000ull;
+  cc->shape = (epxc_shape_t){.nranks = c->nranks, .rank = c->rank, .num_experts = c->cfg.num_experts,
+                             .num_local = c->num_local_experts, .topk = c->cfg.topk, .hidden = c->cfg.hidden,
+                             .align = 1, .max_tokens = c->cfg.max_tokens_per_rank, .num_sms = c->cfg.num_sms};
+  c->impl = cc;
+  return EPX_SUCCESS;
+}
+
+static void cuda_comm_destroy(epx_comm_t *c) {
+  cuda_comm_t *cc = CC(c);
+  if (!cc) return;
+  cudaSetDevice(cc->device);
+  cudaStreamSynchronize(stream_of(c));
+  cudaFreeAsync(cc->state, cc->own_stream);
+  cudaStreamSynchronize(cc->own_stream);
+  cudaStreamDestroy(cc->own_stream);
+  free(cc);
+}
+
+/* Turns this rank's error word into a status and message. Fatal ones only, unless `all`. */
+static epx_status_t report(epx_comm_t *c, bool all) {
+  cuda_world_t *cw = c->world->impl;
+  volatile epxc_error_t *e = &cw->errors_host[c->rank];
+  int status = e->status;
+  if (!status) return EPX_SUCCESS;
+  bool fatal = status == EPX_ERR_TIMEOUT || status == EPX_ERR_BROKEN || status == EPX_ERR_PEER_LOST;
+  if (!fatal && !all) return EPX_SUCCESS;
+  const int phase = e->phase, peer = e->peer;
+  const long long detail = (long long)e->detail;
+  const char *ph = phase >= 0 && phase < EPXC_PH_COUNT ? phase_names[phase] : "?";
+  epx_status_t s;
+  if (status == EPX_ERR_TIMEOUT)
+    s = epxi_fail(EPX_ERR_TIMEOUT, "rank %d: %s timed out after %lld ms waiting for rank %d", c->rank, ph, detail, peer);
+  else if (status == EPX_ERR_BROKEN)
+    s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d failed first (%s)", c->rank, ph, peer,
+                  epx_status_string((epx_status_t)detail));
+  else if (status == EPX_ERR_OUTPUT_TOO_SMALL)
+    s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "rank %d: %s: %lld rows arrive but recv_capacity is smaller; nothing written",
+                  c->rank, ph, detail);
+  else
+    s = epxi_fail((epx_status_t)status, "rank %d: %s: rank %d's routing was refused (%s)", c->rank, ph, peer,
+                  epx_status_string((epx_status_t)status));
+  if (!fatal) e->status = 0; /* reported; the comm stays usable */
+  return s;
+}
+
+static epx_status_t cuda_poll(epx_comm_t *c) { return report(c, false); }
+
+static epx_status_t cuda_synchronize(epx_comm_t *c) {
+  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
+  CUDA_TRY(cudaStreamSynchronize(stream_of(c)), "cudaStreamSynchronize");
+  return report(c, true);
+}
+
+/* ---- handles ------------------------------------------------------------------------------ */
+
+/* Handles are made while peers may already wait on this rank in an exchange: nothing here may
+ * synchronise the device, so every allocation is stream-ordered on the comm's stream. */
+static epx_status_t cuda_handle_create(epx_handle_t *h) {
+  cuda_handle_t *ch = calloc(1, sizeof *ch);
+  const epx_comm_t *c = h->comm;
+  const int L = c->num_local_experts, R = c->nranks;
+  if (ch) ch->summary = calloc(1, sizeof *ch->summary);
+  if (ch) ch->pairs_local_host = calloc(L, sizeof(int32_t));
+  h->impl = ch;
+  if (!ch || !ch->summary || !ch->pairs_local_host) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda handle");
+  cudaStream_t st = stream_of(c);
+  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
+  CUDA_TRY(cudaMallocAsync((void **)&ch->dev, sizeof(epxc_plan_t), st), "handle buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&ch->host.pair_base, sizeof(int64_t) * L * R, st), "handle buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&ch->host.block, sizeof(int64_t) * (L + 1), st), "handle buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&ch->host.pairs_local, sizeof(int32_t) * L, st), "handle buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&ch->host.counts, sizeof(int32_t) * (R + c->cfg.num_experts), st), "handle buffers");
+  CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), "handle buffers");
+  return EPX_SUCCESS;
+}
+
+static void cuda_handle_destroy(epx_handle_t *h) {
+  cuda_handle_t *ch = h->impl;
+  if (!ch) return;
+  cudaStream_t st = stream_of(h->comm);
+  cudaSetDevice(CC(h->comm)->device);
+  void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.block, ch->host.pairs_local, ch->host.counts, ch->host.idx,
+                  ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
+                  ch->partials};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+    if (bufs[i]) cudaFreeAsync(bufs[i], st);
+  free(ch->summary);
+  free(ch->pairs_local_host);
+  free(ch);
+}
+
+static bool capturing(cudaStream_t st) {
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(st, &cs);
+  return cs != cudaStreamCaptureStatusNone;
+}
+
+/* (Re)allocates a stream-ordered buffer to hold `bytes`. Refused while the stream is being
+ * captured: graphs must see buffers that already fit. */
+static epx_status_t grow(cudaStream_t st, void **p, size_t bytes, const char *what) {
+  if (capturing(st))
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                     "%s must grow to %zu bytes inside a CUDA graph capture; run the largest shape once before "
+                     "capturing",
+                     what, bytes);
+  if (*p) CUDA_TRY(cudaFreeAsync(*p, st), "cudaFreeAsync");
+  *p = NULL;
+  CUDA_TRY(cudaMallocAsync(p, bytes ? bytes : 16, st), what);
+  return EPX_SUCCESS;
+}
+
+/* Send-side buffers sized for `cap` tokens. */
+static epx_status_t ensure_tokens(epx_comm_t *c, cuda_handle_t *ch, int64_t cap, cudaStream_t st) {
+  if (cap <= ch->token_cap && ch->host.idx) return EPX_SUCCESS;
+  cap = cap < 32 ? 32 : cap;
+  const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts;
+  epxc_plan_t *p = &ch->host;
+  EPX_CHECK(grow(st, (void **)&p->idx, sizeof(int32_t) * cap * K, "routing buffer"));
+  EPX_CHECK(grow(st, (void **)&p->weight, sizeof(float) * cap * K, "weight buffer"));
+  EPX_CHECK(grow(st, (void **)&p->rank_bits, sizeof(uint32_t) * R * W, "rank bitmap"));
+  EPX_CHECK(grow(st, (void **)&p->rank_pre, sizeof(int32_t) * R * W, "rank prefix"));
+  EPX_CHECK(grow(st, (void **)&p->exp_bits, sizeof(uint32_t) * E * W, "expert bitmap"));
+  EPX_CHECK(grow(st, (void **)&p->exp_pre, sizeof(int32_t) * E * W, "expert prefix"));
+  p->words = W;
+  ch->token_cap = cap;
+  CUDA_TRY(cudaMemcpyAsync(ch->dev, p, sizeof *p, cudaMemcpyHostToDevice, st), "plan upload");
+  /* the upload reads `p` when the stream gets there: keep it still until then */
+  CUDA_TRY(cudaStreamSynchronize(st), "plan upload");
+  return EPX_SUCCESS;
+}
+
+static epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h) {
+  epxc_shape_t s = CC(c)->shape;
+  s.align = h->hc.align;
+  s.ll = h->hc.algo == EPX_ALGO_LL;
+  s.expert_layout = h->hc.layout == EPX_LAYOUT_EXPERT;
+  return s;
+}
+
+static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32_t *tokens_per_rank,
+                                    int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
+  LAUNCH_TRY(epxc_layout(&CC(c)->shape, r->num_tokens, r->topk_idx, r->idx_dtype, r->topk_idx ? NULL : r->routing_map,
+                         tokens_per_rank, tokens_per_expert, is_token_in_rank, stream_of(c)),
+             "layout kernel");
+  return EPX_SUCCESS;
+}
+
+static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r) {
+  cuda_comm_t *cc = CC(c);
+  cuda_handle_t *ch = h->impl;
+  cudaStream_t st = stream_of(c);
+  const bool ll = h->hc.algo == EPX_ALGO_LL;
+  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  ch->known = false;
+  /* Low-latency buffers are sized once, for max_tokens_per_rank; a larger T is refused on
+   * the device, by every rank. */
+  const int64_t cap = ll ? c->cfg.max_tokens_per_rank : r->num_tokens;
+  EPX_CHECK(ensure_tokens(c, ch, cap, st));
+  epxc_shape_t s = shape_of(c, h);
+  LAUNCH_TRY(epxc_notify_build(&s, ch->dev, &ch->host, r->num_tokens, ll ? cap : r->num_tokens, r->topk_idx,
+                               r->idx_dtype, r->topk_idx ? r->topk_weights : NULL,
+                               r->topk_idx ? NULL : r->routing_map, r->topk_idx ? NULL : r->probs, st),
+             "notify kernels");
+  uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)ch->dev, (uint64_t)r->num_tokens};
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY, words, &ch->dev->status, st), "notify exchange");
+  LAUNCH_TRY(epxc_notify_finish(&s, &cc->group, ch->dev, st), "notify finish");
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY_DONE, NULL, NULL, st), "notify closing exchange");
+  if (!h->hc.exact || ll) return EPX_SUCCESS;
+
+  /* Exact sizes: wait for the counts. */
+  plan_summary_t *sum = ch->summary;
+  CUDA_TRY(cudaMemcpyAsync(&sum->status, &ch->dev->status, sizeof(int32_t) * 2, cudaMemcpyDeviceToHost, st), "counts");
+  CUDA_TRY(cudaMemcpyAsync(&sum->bad_key, &ch->dev->bad_key, sizeof(uint64_t), cudaMemcpyDeviceToHost, st), "counts");
+  CUDA_TRY(cudaMemcpyAsync(&sum->num_recv, &ch->dev->num_recv, sizeof(int64_t) * 4, cudaMemcpyDeviceToHost, st), "counts");
+  CUDA_TRY(cudaMemcpyAsync(ch->pairs_local_host, ch->host.pairs_local, sizeof(int32_t) * c->num_local_experts,
+                           cudaMemcpyDeviceToHost, st),
+           "counts");
+  CUDA_TRY(cudaStreamSynchronize(st), "cudaStreamSynchronize (notify)");
+  sum->num_tokens = r->num_tokens;
+  if (sum->status) { /* this rank's own routing: name the token */
+    report(c, true);
+    const uint64_t key = sum->bad_key;
+    return epxi_fail((epx_status_t)sum->status, "rank %d: token %llu slot %u: %s", c->rank,
+                     (unsigned long long)(key >> 16), (unsigned)((key >> 8) & 0xff),
+                     epx_status_string((epx_status_t)sum->status));
+  }
+  EPX_CHECK(report(c, true));
+  ch->known = true;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t cuda_handle_info(const epx_handle_t *h, epx_handle_info_t *info, int32_t *per_expert) {
+  const cuda_handle_t *ch = h->impl;
+  if (!ch->known)
+    return epxi_fail(EPX_ERR_UNSUPPORTED,
+                     "the handle's sizes live on the device (sync-free or low-latency mode): read them from the "
+                     "dispatch's outputs, or create the handle with exact = 1");
+  info->num_send_tokens = ch->summary->num_tokens;
+  info->num_recv_tokens = ch->summary->num_recv;
+  info->num_recv_rows = ch->summary->num_rows;
+  info->num_recv_pairs = ch->summary->num_pairs;
+  info->num_sent_copies = ch->summary->sent_copies;
+  if (per_expert) memcpy(per_expert, ch->pairs_local_host, sizeof(int32_t) * h->comm->num_local_experts);
+  return EPX_SUCCESS;
+}
+
+/* ---- dispatch and combine ------------------------------------------------------------------ */
+
+static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a) {
+  cuda_comm_t *cc = CC(c);
+  cuda_handle_t *ch = h->impl;
+  cudaStream_t st = stream_of(c);
+  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  epxc_shape_t s = shape_of(c, h);
+  epxc_dispatch_t d = {.x = a->x, .x_dtype = a->x_dtype, .recv_dtype = a->recv_dtype, .recv_x = a->recv_x,
+                       .recv_scales = a->recv_scales, .recv_capacity = a->recv_capacity,
+                       .recv_topk_idx = a->recv_topk_idx, .recv_topk_weights = a->recv_topk_weights,
+                       .recv_probs = a->recv_probs, .tokens_per_local_expert = a->tokens_per_local_expert,
+                       .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
+  ch->recv_capacity = s.ll ? (int64_t)c->nranks * c->cfg.max_tokens_per_rank : a->recv_capacity;
+  uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)a->x};
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "dispatch exchange");
+  LAUNCH_TRY(epxc_dispatch(&s, &cc->group, ch->dev, &d, st), "dispatch kernel");
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, st), "dispatch closing exchange");
+  if (ch->known && !s.ll && a->recv_capacity < ch->summary->num_rows)
+    return epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld",
+                     c->rank, (long long)ch->summary->num_rows, (long long)a->recv_capacity);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine_args_t *a) {
+  cuda_comm_t *cc = CC(c);
+  cuda_handle_t *ch = h->impl;
+  cudaStream_t st = stream_of(c);
+  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  epxc_shape_t s = shape_of(c, h);
+  epxc_combine_t k = {.y = a->y, .y_dtype = a->y_dtype, .out = a->out, .out_dtype = a->out_dtype,
+                      .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
+                      .topk_weight_grad = a->topk_weight_grad};
+  const void *rows = a->y;
+  if (s.expert_layout) {
+    /* One partial per arrived token: at most the rows dispatch could write. */
+    int64_t need = ch->known ? ch->summary->num_recv : ch->recv_capacity;
+    size_t bytes = (size_t)need * c->cfg.hidden * epx_dtype_size(a->y_dtype);
+    if (!ch->partials || bytes > ch->partial_bytes) {
+      EPX_CHECK(grow(st, &ch->partials, bytes, "combine partials"));
+      ch->partial_bytes = bytes;
+    }
+    k.partials = ch->partials;
+    rows = ch->partials;
+    LAUNCH_TRY(epxc_combine_partials(&s, &cc->group, ch->dev, &k, st), "combine partials");
+  }
+  uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)rows, (uint64_t)(uintptr_t)a->row_weight_grad};
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, words, NULL, st), "combine exchange");
+  LAUNCH_TRY(epxc_combine_reduce(&s, &cc->group, ch->dev, &k, st), "combine kernel");
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE_DONE, NULL, NULL, st), "combine closing exchange");
+  return EPX_SUCCESS;
+}
+
+const epxi_backend_t epxi_cuda_backend = {
+    .name = "cuda",
+    .world_create = cuda_world_create,
+    .world_destroy = cuda_world_destroy,
+    .comm_init = cuda_comm_init,
+    .comm_destroy = cuda_comm_destroy,
+    .handle_create = cuda_handle_create,
+    .handle_destroy = cuda_handle_destroy,
+    .get_layout = cuda_get_layout,
+    .notify = cuda_notify,
+    .handle_info = cuda_handle_info,
+    .dispatch = cuda_dispatch,
+    .combine = cuda_combine,
+    .poll = cuda_poll,
+    .synchronize = cuda_synchronize,
+};

@@ -1,0 +1,163 @@
+/* Device helpers every kernel family shares: flag ordering, bounded waits, the group's error
+ * words, and rows of any element type moved eight channels at a time. C style: functions
+ * and structs only. */
+#ifndef EPX_CUDA_COMMON_CUH
+#define EPX_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#include "cuda/cuda_shared.h"
+
+#define EPXC_THREADS 1024
+#define EPXC_WARPS (EPXC_THREADS / 32)
+
+/* ---- ordering ------------------------------------------------------------------------- */
+
+/* System scope: a peer may sit on another GPU behind NVLink, or share this one. */
+static __device__ __forceinline__ void st_release(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ uint64_t ld_acquire(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+static __device__ __forceinline__ uint64_t globaltimer_ns(void) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/* Records this rank's first failure where the host and every peer can see it. */
+static __device__ void record_error(const epxc_group_t *g, int status, int phase, int peer, int64_t detail) {
+  epxc_error_t *e = &g->errors[g->rank];
+  if (atomicCAS(&e->status, 0, status) == 0) {
+    e->phase = phase;
+    e->peer = peer;
+    e->detail = detail;
+    __threadfence_system();
+  }
+}
+
+/* Waits until *flag >= epoch. Gives up when the deadline passes or the peer has failed. */
+static __device__ bool wait_flag(const epxc_group_t *g, const uint64_t *flag, uint64_t epoch, int peer, int phase) {
+  uint64_t start = globaltimer_ns();
+  volatile epxc_error_t *peer_err = &g->errors[peer];
+  for (uint32_t spin = 0;; spin++) {
+    if (ld_acquire(flag) >= epoch) return true;
+    if ((spin & 63) == 63) {
+      if (peer_err->status != 0) {
+        record_error(g, EPX_ERR_BROKEN, phase, peer, peer_err->status);
+        return false;
+      }
+      if (globaltimer_ns() - start > g->timeout_ns) {
+        record_error(g, EPX_ERR_TIMEOUT, phase, peer, (int64_t)(g->timeout_ns / 1000000));
+        return false;
+      }
+    }
+  }
+}
+
+/* True when this rank must not do any more work: an exchange failed or the plan is bad. */
+static __device__ __forceinline__ bool rank_stopped(const epxc_group_t *g) {
+  return ((volatile epxc_state_t *)g->state[g->rank])->aborted != 0;
+}
+
+/* ---- elements ------------------------------------------------------------------------- */
+
+static __device__ __forceinline__ float bf16_to_float(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+
+static __device__ __forceinline__ uint16_t float_to_bf16(float v) {
+  __nv_bfloat16 b = __float2bfloat16_rn(v);
+  return *(uint16_t *)&b;
+}
+
+static __device__ __forceinline__ uint8_t float_to_e4m3(float v) {
+  return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+static __device__ __forceinline__ float e4m3_to_float(uint8_t v) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)v, __NV_E4M3);
+  return __half2float(*(__half *)&h);
+}
+
+static __device__ __forceinline__ size_t dtype_bytes(epx_dtype_t t) {
+  return t == EPX_FLOAT32 ? 4 : t == EPX_BFLOAT16 ? 2 : 1;
+}
+
+/* Eight channels starting at `c` (a multiple of 8) of a float32 or bf16 row, widened. */
+static __device__ __forceinline__ void load8(const void *row, epx_dtype_t t, int64_t c, float *v) {
+  if (t == EPX_FLOAT32) {
+    const float4 *p = (const float4 *)((const float *)row + c);
+    float4 a = p[0], b = p[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    uint4 u = *(const uint4 *)((const uint16_t *)row + c);
+    uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    for (int i = 0; i < 4; i++) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+}
+
+static __device__ __forceinline__ void store8(void *row, epx_dtype_t t, int64_t c, const float *v) {
+  if (t == EPX_FLOAT32) {
+    float4 *p = (float4 *)((float *)row + c);
+    p[0] = make_float4(v[0], v[1], v[2], v[3]);
+    p[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t w[4];
+    for (int i = 0; i < 4; i++) w[i] = (uint32_t)float_to_bf16(v[2 * i]) | ((uint32_t)float_to_bf16(v[2 * i + 1]) << 16);
+    *(uint4 *)((uint16_t *)row + c) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+/* One channel, for rows whose width is not a multiple of 8 (float32 only: every other type's
+ * 16-byte rows hold whole groups of 8). */
+static __device__ __forceinline__ float load1(const void *row, epx_dtype_t t, int64_t c) {
+  return t == EPX_FLOAT32 ? ((const float *)row)[c] : bf16_to_float(((const uint16_t *)row)[c]);
+}
+
+static __device__ __forceinline__ void store1(void *row, epx_dtype_t t, int64_t c, float v) {
+  if (t == EPX_FLOAT32)
+    ((float *)row)[c] = v;
+  else
+    ((uint16_t *)row)[c] = float_to_bf16(v);
+}
+
+static __device__ __forceinline__ const void *row_at(const void *base, epx_dtype_t t, int64_t row, int hidden) {
+  return (const char *)base + (size_t)row * hidden * dtype_bytes(t);
+}
+
+static __device__ __forceinline__ void *row_at_mut(void *base, epx_dtype_t t, int64_t row, int hidden) {
+  return (char *)base + (size_t)row * hidden * dtype_bytes(t);
+}
+
+/* ---- bitmaps ---------------------------------------------------------------------------- */
+
+static __device__ __forceinline__ bool bit_set(const uint32_t *bits, int64_t t) {
+  return (bits[t >> 5] >> (t & 31)) & 1u;
+}
+
+/* Tokens before t that have the bit set (row of `pre` holds per-word prefix popcounts). */
+static __device__ __forceinline__ int64_t bit_rank(const uint32_t *bits, const int32_t *pre, int64_t t) {
+  uint32_t below = bits[t >> 5] & ((1u << (t & 31)) - 1u);
+  return (int64_t)pre[t >> 5] + __popc(below);
+}
+
+/* ---- warp helpers ------------------------------------------------------------------------ */
+
+static __device__ __forceinline__ int lane_id(void) { return threadIdx.x & 31; }
+
+/* Global warp index and count of a grid-stride loop over warps. */
+static __device__ __forceinline__ int64_t warp_global(void) {
+  return (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+}
+static __device__ __forceinline__ int64_t warp_count(void) { return (int64_t)gridDim.x * (blockDim.x / 32); }
+
+#endif

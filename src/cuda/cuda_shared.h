@@ -1,0 +1,165 @@
+/* What the CUDA backend's host side (backend.c, C11) and its kernels (*.cu) share: the
+ * device-resident structures and the launchers' signatures.
+ *
+ * The model: ranks pull. Every operation is a few work kernels (which never wait on a peer)
+ * framed by exchange kernels (one block, which do): an exchange publishes a few words to every
+ * peer (pointers to this rank's data, a status) and waits until every peer has published;
+ * work kernels then read peers' memory directly; a closing exchange tells the peers this rank
+ * has finished reading theirs. A rank thus writes only its own outputs, and only exchanges
+ * need the ranks to be co-resident. Peer pointers come from whatever transport made them: the
+ * kernels do not care whether a peer is on this GPU or across NVLink. */
+#ifndef EPX_CUDA_SHARED_H
+#define EPX_CUDA_SHARED_H
+
+#include <stdint.h>
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPXC_SLOT_WORDS 7
+
+/* One mailbox: `flag` is the exchange's epoch once `word` is valid. */
+typedef struct {
+  uint64_t flag;
+  uint64_t word[EPXC_SLOT_WORDS];
+} epxc_slot_t;
+
+/* Per rank, in its device memory; peers write its mailboxes. */
+typedef struct {
+  epxc_slot_t post[2][EPX_MAX_RANKS];            /* [exchange parity][source rank] */
+  uint64_t got[EPX_MAX_RANKS][EPXC_SLOT_WORDS];  /* last exchange's payloads, copied here */
+  uint64_t seq;                                  /* exchanges this rank has entered */
+  int32_t aborted;                               /* a wait failed: every later kernel is a no-op */
+  int32_t group_status;                          /* first failure a rank reported in the last exchange */
+} epxc_state_t;
+
+/* Per rank, in host-mapped memory so the host reads it without a sync, and peers' kernels
+ * see a failed rank at once. */
+typedef struct {
+  int32_t status; /* epx_status_t */
+  int32_t phase;  /* epxc_phase_t */
+  int32_t peer;   /* the rank waited for, or the rank that reported the failure */
+  int32_t pad;
+  int64_t detail; /* e.g. the offending token */
+} epxc_error_t;
+
+typedef enum {
+  EPXC_PH_NOTIFY = 0,
+  EPXC_PH_NOTIFY_DONE,
+  EPXC_PH_DISPATCH,
+  EPXC_PH_DISPATCH_DONE,
+  EPXC_PH_COMBINE,
+  EPXC_PH_COMBINE_DONE,
+  EPXC_PH_LL_DISPATCH,
+  EPXC_PH_LL_COMBINE,
+  EPXC_PH_COUNT
+} epxc_phase_t;
+
+/* What every kernel needs to reach the group. Passed by value. */
+typedef struct {
+  int rank, nranks;
+  epxc_state_t *state[EPX_MAX_RANKS]; /* every rank's state, this one included */
+  epxc_error_t *errors;               /* [nranks], device view of the host-mapped array */
+  uint64_t timeout_ns;
+} epxc_group_t;
+
+/* The plan of one dispatch, in device memory. The send side is written by this rank's notify
+ * and read by peers; the receive side is derived from every rank's counts. Bitmaps have one
+ * bit per token: bit t of rank_bits[d] says token t goes to rank d, of exp_bits[e] that it
+ * chose expert e; *_pre holds the popcount of the words before, so a token's position among
+ * those of its source that go to the same place is one popcount away. */
+typedef struct epxc_plan {
+  /* send side */
+  int64_t num_tokens;
+  int64_t words;          /* bitmap row stride, in 32-bit words */
+  int32_t status;         /* first problem in this rank's routing, EPX_SUCCESS if none */
+  int32_t group_status;   /* first problem any rank reported: the plan is void unless 0 */
+  uint64_t bad_key;       /* (token << 16 | slot << 8 | status) of the first bad token: atomicMin */
+  int32_t *idx;           /* [cap, K] normalised expert ids */
+  float *weight;          /* [cap, K] weights, 0 on -1 slots */
+  uint32_t *rank_bits;    /* [R, words] */
+  int32_t *rank_pre;      /* [R, words] */
+  uint32_t *exp_bits;     /* [E, words] */
+  int32_t *exp_pre;       /* [E, words] */
+  int32_t *counts;        /* [R + E]: tokens per destination rank, pairs per expert */
+  /* receive side */
+  const struct epxc_plan *peer[EPX_MAX_RANKS];
+  int64_t tok_base[EPX_MAX_RANKS];  /* first token row here of source s */
+  int64_t dest_base[EPX_MAX_RANKS]; /* first token row of this rank's tokens on destination d */
+  int64_t *pair_base;     /* [L, R]: first row of source s's pairs of local expert l */
+  int64_t *block;         /* [L + 1]: first row of local expert l's block; block[L] = rows */
+  int32_t *pairs_local;   /* [L] */
+  int64_t num_recv;       /* tokens arriving */
+  int64_t num_rows;       /* rows of the receive buffer in use (padding included) */
+  int64_t num_pairs;
+  int64_t sent_copies;
+} epxc_plan_t;
+
+/* Everything a kernel needs to know about a comm's shapes. */
+typedef struct {
+  int nranks, rank, num_experts, num_local, topk, hidden, align, max_tokens;
+  int ll;            /* low-latency layout: blocks of nranks * max_tokens rows */
+  int expert_layout;
+  int num_sms;
+} epxc_shape_t;
+
+typedef struct {
+  const void *x;
+  epx_dtype_t x_dtype, recv_dtype;
+  void *recv_x;
+  float *recv_scales;
+  int64_t recv_capacity;
+  int32_t *recv_topk_idx;
+  float *recv_topk_weights;
+  float *recv_probs;
+  int32_t *tokens_per_local_expert;
+  int64_t *num_recv_rows;
+  int scale_by_probs;
+} epxc_dispatch_t;
+
+typedef struct {
+  const void *y;
+  epx_dtype_t y_dtype;
+  void *out;
+  epx_dtype_t out_dtype;
+  int weighted;
+  const float *row_probs;
+  const float *row_weight_grad;
+  float *topk_weight_grad;
+  void *partials;   /* expert layout: [num_recv, H] in y_dtype, this rank's */
+} epxc_combine_t;
+
+/* ---- launchers (each returns cudaGetLastError() as an int) --------------------------- */
+
+/* Publishes `words` to every peer's mailbox and waits for every peer's; the payloads land in
+ * this rank's state->got. word[0] of every payload is a status (read from status_dev when
+ * that is given): the first non-success one is recorded in group_status and as this rank's
+ * error. */
+int epxc_exchange(const epxc_group_t *g, int phase, const uint64_t *words, const int32_t *status_dev, void *stream);
+
+/* notify: normalise and validate the routing, build bitmaps and counts (bits and counts must
+ * be zeroed by the caller); then prefix popcounts. */
+int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host, int64_t num_tokens,
+                      int64_t capacity, const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
+                      const uint8_t *routing_map, const float *probs, void *stream);
+/* after the exchange of plan pointers: the receive side of the plan */
+int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream);
+
+int epxc_layout(const epxc_shape_t *s, int64_t num_tokens, const void *topk_idx, epx_dtype_t idx_dtype,
+                const uint8_t *routing_map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
+                uint8_t *is_token_in_rank, void *stream);
+
+int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                  const epxc_dispatch_t *a, void *stream);
+int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                          const epxc_combine_t *a, void *stream);
+int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                        const epxc_combine_t *a, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

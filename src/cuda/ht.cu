@@ -1,0 +1,306 @@
+/* High-throughput dispatch and combine: the fused path for prefill and training.
+ *
+ * Dispatch: each destination reads every token that comes to it once from its source (a
+ * warp per token, 16-byte vectors) and writes it to its final rows: its token row, or one row
+ * per local expert it chose (the extra copies are made here, on the receiving side, so a
+ * token crosses the link once per rank). fp8 is quantised on the fly, per 128 channels.
+ * Combine: each destination first reduces its rows of a token into one partial (expert
+ * layout), then each source reads its tokens' rows back and sums them in rank order. */
+#include "cuda/common.cuh"
+
+#define UNROLL 4
+
+/* The state of the exchange that opened the current operation: got[s][i] is word i of s. */
+static __device__ __forceinline__ uint64_t got(const epxc_group_t *g, int s, int i) {
+  return g->state[g->rank]->got[s][i];
+}
+
+static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const epxc_plan_t *plan) {
+  return rank_stopped(g) || plan->group_status != EPX_SUCCESS;
+}
+
+/* The slots of token t of `src` that land on rank `me`, sorted by local expert:
+ * local[j], row[j], weight[j], slot[j] for j < return value. */
+static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_plan_t *src,
+                                  int64_t t, int *local, int64_t *row, float *weight, int *slot) {
+  const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank;
+  const int64_t W = src->words;
+  int m = 0;
+  for (int k = 0; k < K; k++) {
+    int e = src->idx[t * K + k];
+    if (e < 0 || e / L != me) continue;
+    int l = e % L, j = m++;
+    for (; j > 0 && local[j - 1] > l; j--) {
+      local[j] = local[j - 1];
+      row[j] = row[j - 1];
+      weight[j] = weight[j - 1];
+      slot[j] = slot[j - 1];
+    }
+    local[j] = l;
+    row[j] = plan->pair_base[(int64_t)l * R + src_rank] + bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
+    weight[j] = src->weight[t * K + k];
+    slot[j] = k;
+  }
+  return m;
+}
+
+/* ---- dispatch --------------------------------------------------------------------------- */
+
+/* Copies a row unchanged to m destinations (the common case: same type, no scaling). */
+static __device__ void copy_row_raw(const void *src, void *const *dst, int m, int64_t bytes) {
+  const uint4 *in = (const uint4 *)src;
+  const int64_t n = bytes / 16;
+  const int lane = lane_id();
+  for (int64_t base = 0; base < n; base += 32 * UNROLL) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      int64_t i = base + u * 32 + lane;
+      if (i < n) v[u] = in[i];
+    }
+    for (int j = 0; j < m; j++)
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        int64_t i = base + u * 32 + lane;
+        if (i < n) ((uint4 *)dst[j])[i] = v[u];
+      }
+  }
+}
+
+/* Converts a row to m destinations, each scaled by its factor (1 leaves it as is), in the
+ * receive type; fp8 rows get one scale per 128 channels. */
+static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dtype_t recv_dtype, int hidden,
+                                   void *const *dst, float *const *scales, const float *factor, int scaled, int m) {
+  const int lane = lane_id();
+  if (recv_dtype == EPX_FP8_E4M3) {
+    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. */
+    for (int64_t c0 = 0; c0 < hidden; c0 += 256) {
+      const int64_t c = c0 + 8 * lane;
+      const bool live = c < hidden;
+      float x[8];
+      if (live) load8(src, x_dtype, c, x);
+      for (int j = 0; j < m; j++) {
+        float v[8], amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          v[i] = live ? (scaled ? __fmul_rn(factor[j], x[i]) : x[i]) : 0.0f;
+          amax = fmaxf(amax, fabsf(v[i]));
+        }
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float a = fmaxf(amax, 1e-4f), sc = __fdiv_rn(448.0f, a);
+        if (live) {
+          uint32_t q[2] = {0, 0};
+#pragma unroll
+          for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
+          *(uint2 *)((uint8_t *)dst[j] + c) = make_uint2(q[0], q[1]);
+          if ((lane & 15) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, 448.0f);
+        }
+      }
+    }
+    return;
+  }
+  const int64_t vec_end = hidden / 8 * 8;
+  for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+    float x[8];
+    load8(src, x_dtype, c, x);
+    for (int j = 0; j < m; j++) {
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
+      store8(dst[j], recv_dtype, c, v);
+    }
+  }
+  for (int64_t c = vec_end + lane; c < hidden; c += 32) {
+    float x = load1(src, x_dtype, c);
+    for (int j = 0; j < m; j++) store1(dst[j], recv_dtype, c, scaled ? __fmul_rn(factor[j], x) : x);
+  }
+}
+
+static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                      const epxc_plan_t *plan, epxc_dispatch_t a) {
+  if (plan_void(&g, plan)) return;
+  const int K = s.topk, L = s.num_local, R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
+  const bool fp8 = a.recv_dtype == EPX_FP8_E4M3;
+  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  const size_t recv_row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
+  if (!s.ll && a.recv_capacity < plan->num_rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) record_error(&g, EPX_ERR_OUTPUT_TOO_SMALL, EPXC_PH_DISPATCH, me, plan->num_rows);
+    return;
+  }
+  if (blockIdx.x == 0) {
+    for (int l = threadIdx.x; l < L; l += blockDim.x)
+      if (a.tokens_per_local_expert) a.tokens_per_local_expert[l] = plan->pairs_local[l];
+    if (threadIdx.x == 0 && a.num_recv_rows) *a.num_recv_rows = s.ll ? plan->num_pairs : plan->num_rows;
+  }
+  /* Padding rows of the expert layout: zero data, zero weight. */
+  if (s.expert_layout && !s.ll)
+    for (int l = 0; l < L; l++) {
+      const int64_t lo = plan->block[l] + plan->pairs_local[l], hi = plan->block[l + 1];
+      for (int64_t r = lo + warp_global(); r < hi; r += warp_count()) {
+        uint4 *p = (uint4 *)((char *)a.recv_x + r * recv_row_bytes);
+        for (int64_t i = lane; i < (int64_t)(recv_row_bytes / 16); i += 32) p[i] = make_uint4(0, 0, 0, 0);
+        if (fp8)
+          for (int b = lane; b < blocks; b += 32) a.recv_scales[r * blocks + b] = 0.0f;
+        if (lane == 0 && a.recv_probs) a.recv_probs[r] = 0.0f;
+      }
+    }
+
+  const bool raw = a.recv_dtype == a.x_dtype && !(a.scale_by_probs && s.expert_layout);
+  for (int src_rank = 0; src_rank < R; src_rank++) {
+    const epxc_plan_t *src = plan->peer[src_rank];
+    const void *x = (const void *)got(&g, src_rank, 1);
+    const int64_t T = src->num_tokens, W = src->words;
+    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
+    const int32_t *pre = src->rank_pre + (int64_t)me * W;
+    for (int64_t t = warp_global(); t < T; t += warp_count()) {
+      if (!bit_set(bits, t)) continue;
+      const void *in = row_at(x, a.x_dtype, t, H);
+      void *dst[EPX_MAX_TOPK];
+      float *dscale[EPX_MAX_TOPK];
+      float factor[EPX_MAX_TOPK];
+      int m;
+      if (!s.expert_layout) {
+        const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
+        m = 1;
+        dst[0] = row_at_mut(a.recv_x, a.recv_dtype, n, H);
+        dscale[0] = fp8 ? a.recv_scales + n * blocks : NULL;
+        factor[0] = 1.0f;
+        if (lane < K) {
+          int e = src->idx[t * K + lane];
+          bool here = e >= 0 && e / L == me;
+          if (a.recv_topk_idx) a.recv_topk_idx[n * K + lane] = here ? e % L : -1;
+          if (a.recv_topk_weights) a.recv_topk_weights[n * K + lane] = here ? src->weight[t * K + lane] : 0.0f;
+        }
+      } else {
+        int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+        int64_t row[EPX_MAX_TOPK];
+        m = local_slots(&s, plan, src_rank, src, t, local, row, factor, slot);
+        for (int j = 0; j < m; j++) {
+          dst[j] = row_at_mut(a.recv_x, a.recv_dtype, row[j], H);
+          dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
+          if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
+        }
+      }
+      if (raw)
+        copy_row_raw(in, dst, m, (int64_t)recv_row_bytes);
+      else
+        convert_row(in, a.x_dtype, a.recv_dtype, H, dst, dscale, factor, a.scale_by_probs && s.expert_layout, m);
+    }
+  }
+}
+
+extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                             const epxc_dispatch_t *a, void *stream) {
+  dispatch_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  return (int)cudaGetLastError();
+}
+
+/* ---- combine ---------------------------------------------------------------------------- */
+
+/* Expert layout, on the destination: partial[n] = round(sum over local experts ascending of
+ * w * y[row]), one per arrived token. */
+static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                      const epxc_plan_t *plan, epxc_combine_t a) {
+  if (plan_void(&g, plan)) return;
+  const int R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
+  for (int src_rank = 0; src_rank < R; src_rank++) {
+    const epxc_plan_t *src = plan->peer[src_rank];
+    const int64_t T = src->num_tokens, W = src->words;
+    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
+    const int32_t *pre = src->rank_pre + (int64_t)me * W;
+    for (int64_t t = warp_global(); t < T; t += warp_count()) {
+      if (!bit_set(bits, t)) continue;
+      const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
+      int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+      int64_t row[EPX_MAX_TOPK];
+      float w[EPX_MAX_TOPK];
+      const int m = local_slots(&s, plan, src_rank, src, t, local, row, w, slot);
+      for (int j = 0; j < m; j++) w[j] = !a.weighted ? 1.0f : a.row_probs ? a.row_probs[row[j]] : w[j];
+      void *out = row_at_mut(a.partials, a.y_dtype, n, H);
+      const int64_t vec_end = H / 8 * 8;
+      for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < m; j++) {
+          float v[8];
+          load8(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c, v);
+#pragma unroll
+          for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], v[i]));
+        }
+        store8(out, a.y_dtype, c, acc);
+      }
+      for (int64_t c = vec_end + lane; c < H; c += 32) {
+        float acc = 0.0f;
+        for (int j = 0; j < m; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c)));
+        store1(out, a.y_dtype, c, acc);
+      }
+    }
+  }
+}
+
+extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                                     const epxc_combine_t *a, void *stream) {
+  partials_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  return (int)cudaGetLastError();
+}
+
+/* On the source: out[t] = round(sum over destinations d ascending of rows_d[row of t on d]),
+ * where rows_d is d's y (token layout) or d's partials (expert layout), published as word 1
+ * of the combine exchange; word 2 is d's row_weight_grad. */
+static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                    const epxc_plan_t *plan, epxc_combine_t a) {
+  if (plan_void(&g, plan)) return;
+  const int R = s.nranks, K = s.topk, L = s.num_local, me = s.rank, H = s.hidden, lane = lane_id();
+  const int64_t T = plan->num_tokens, W = plan->words;
+  for (int64_t t = warp_global(); t < T; t += warp_count()) {
+    const void *rows[EPX_MAX_RANKS];
+    int m = 0;
+    for (int d = 0; d < R; d++) {
+      const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
+      if (!bit_set(bits, t)) continue;
+      const int64_t r = plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
+      rows[m++] = row_at((const void *)got(&g, d, 1), a.y_dtype, r, H);
+    }
+    void *out = row_at_mut(a.out, a.out_dtype, t, H);
+    const int64_t vec_end = H / 8 * 8;
+    for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < m; j++) {
+        float v[8];
+        load8(rows[j], a.y_dtype, c, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], v[i]);
+      }
+      store8(out, a.out_dtype, c, acc);
+    }
+    for (int64_t c = vec_end + lane; c < H; c += 32) {
+      float acc = 0.0f;
+      for (int j = 0; j < m; j++) acc = __fadd_rn(acc, load1(rows[j], a.y_dtype, c));
+      store1(out, a.out_dtype, c, acc);
+    }
+    if (a.topk_weight_grad && lane < K) {
+      const int e = plan->idx[t * K + lane];
+      float gw = 0.0f;
+      if (e >= 0) {
+        const int d = e / L;
+        const float *wg = (const float *)got(&g, d, 2);
+        const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
+        if (s.expert_layout) {
+          const epxc_plan_t *dp = plan->peer[d];
+          const int64_t r = dp->pair_base[(int64_t)(e % L) * R + me] +
+                            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+          gw = wg[r];
+        } else {
+          gw = wg[(plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + lane];
+        }
+      }
+      a.topk_weight_grad[t * K + lane] = gw;
+    }
+  }
+}
+
+extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                                   const epxc_combine_t *a, void *stream) {
+  reduce_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  return (int)cudaGetLastError();
+}

@@ -1,0 +1,210 @@
+/* Layout and notify: from a routing (topk ids or a multi-hot map) to counts, per-token bitmaps
+ * and, once every rank's counts are known, where each row lands. */
+#include "cuda/common.cuh"
+
+/* Reads token t's routing into ids/ws (K slots, -1 / 0 padded). Returns a status: a bad id, a
+ * repeated expert, or a map row with more than K experts. *bad_slot names the slot. */
+static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx, epx_dtype_t idx_dtype,
+                                 const float *topk_weights, const uint8_t *map, const float *probs, int32_t *ids,
+                                 float *ws, int *bad_slot) {
+  const int K = s->topk, E = s->num_experts;
+  if (map) {
+    int k = 0;
+    for (int e = 0; e < E; e++) {
+      if (!map[t * E + e]) continue;
+      if (k == K) {
+        *bad_slot = K;
+        return EPX_ERR_TOPK_RANGE;
+      }
+      ids[k] = e;
+      ws[k] = probs ? probs[t * E + e] : 1.0f;
+      k++;
+    }
+    for (; k < K; k++) ids[k] = -1, ws[k] = 0.0f;
+    return EPX_SUCCESS;
+  }
+  for (int k = 0; k < K; k++) {
+    int64_t e = idx_dtype == EPX_INT64 ? ((const int64_t *)topk_idx)[t * K + k] : ((const int32_t *)topk_idx)[t * K + k];
+    if (e < -1 || e >= E) {
+      *bad_slot = k;
+      return EPX_ERR_EXPERT_OUT_OF_RANGE;
+    }
+    ids[k] = (int32_t)e;
+    ws[k] = e < 0 ? 0.0f : topk_weights ? topk_weights[t * K + k] : 1.0f;
+    for (int j = 0; j < k; j++)
+      if (e >= 0 && ids[j] == e) {
+        *bad_slot = k;
+        return EPX_ERR_INVALID_ARGUMENT;
+      }
+  }
+  return EPX_SUCCESS;
+}
+
+static __global__ void layout_kernel(epxc_shape_t s, int64_t T, const void *topk_idx, epx_dtype_t idx_dtype,
+                                     const uint8_t *map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
+                                     uint8_t *is_token_in_rank) {
+  int32_t ids[EPX_MAX_TOPK];
+  float ws[EPX_MAX_TOPK];
+  for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
+    int bad;
+    if (read_route(&s, t, topk_idx, idx_dtype, NULL, map, NULL, ids, ws, &bad) != EPX_SUCCESS) continue;
+    uint64_t ranks = 0;
+    for (int k = 0; k < s.topk; k++) {
+      if (ids[k] < 0) continue;
+      ranks |= 1ull << (ids[k] / s.num_local);
+      if (tokens_per_expert) atomicAdd(&tokens_per_expert[ids[k]], 1);
+    }
+    for (int d = 0; d < s.nranks; d++) {
+      bool in = (ranks >> d) & 1;
+      if (tokens_per_rank && in) atomicAdd(&tokens_per_rank[d], 1);
+      if (is_token_in_rank) is_token_in_rank[t * s.nranks + d] = in;
+    }
+  }
+}
+
+extern "C" int epxc_layout(const epxc_shape_t *s, int64_t T, const void *topk_idx, epx_dtype_t idx_dtype,
+                           const uint8_t *map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
+                           uint8_t *is_token_in_rank, void *stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  if (tokens_per_rank) cudaMemsetAsync(tokens_per_rank, 0, sizeof(int32_t) * s->nranks, st);
+  if (tokens_per_expert) cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * s->num_experts, st);
+  if (T > 0) layout_kernel<<<s->num_sms, 256, 0, st>>>(*s, T, topk_idx, idx_dtype, map, tokens_per_rank, tokens_per_expert, is_token_in_rank);
+  return (int)cudaGetLastError();
+}
+
+/* ---- notify ------------------------------------------------------------------------------ */
+
+/* One thread per token: normalise, validate, set bits, count. Bits and counts start zeroed. */
+static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T, int64_t capacity,
+                                    const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
+                                    const uint8_t *map, const float *probs) {
+  const int K = s.topk, R = s.nranks, L = s.num_local;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    plan->num_tokens = T;
+    if (T > capacity) atomicMin((unsigned long long *)&plan->bad_key, (unsigned long long)EPX_ERR_LL_OVERFLOW);
+  }
+  if (T > capacity) return;
+  const int64_t W = plan->words;
+  int32_t ids[EPX_MAX_TOPK];
+  float ws[EPX_MAX_TOPK];
+  for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
+    int bad = 0;
+    int st = read_route(&s, t, topk_idx, idx_dtype, topk_weights, map, probs, ids, ws, &bad);
+    if (st != EPX_SUCCESS) {
+      atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
+      continue;
+    }
+    uint64_t ranks = 0;
+    const uint32_t bit = 1u << (t & 31);
+    for (int k = 0; k < K; k++) {
+      plan->idx[t * K + k] = ids[k];
+      plan->weight[t * K + k] = ws[k];
+      if (ids[k] < 0) continue;
+      ranks |= 1ull << (ids[k] / L);
+      atomicOr(&plan->exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
+      atomicAdd(&plan->counts[R + ids[k]], 1);
+    }
+    for (int d = 0; d < R; d++)
+      if ((ranks >> d) & 1) {
+        atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], bit);
+        atomicAdd(&plan->counts[d], 1);
+      }
+  }
+}
+
+/* One warp per bitmap row (R rank rows, then E expert rows): exclusive prefix popcounts. */
+static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
+  const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
+  const int rows = s.nranks + s.num_experts, lane = lane_id();
+  for (int64_t row = warp_global(); row < rows; row += warp_count()) {
+    const uint32_t *bits = row < s.nranks ? plan->rank_bits + row * W : plan->exp_bits + (row - s.nranks) * W;
+    int32_t *pre = row < s.nranks ? plan->rank_pre + row * W : plan->exp_pre + (row - s.nranks) * W;
+    int32_t carry = 0;
+    for (int64_t base = 0; base < used; base += 32) {
+      int64_t w = base + lane;
+      int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
+      for (int o = 1; o < 32; o <<= 1) {
+        int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      if (w < used) pre[w] = carry + inc - c;
+      carry += __shfl_sync(0xffffffffu, inc, 31);
+    }
+  }
+}
+
+/* The bad-token key becomes this rank's status for the exchange. */
+static __global__ void status_kernel(epxc_plan_t *plan) {
+  uint64_t key = plan->bad_key;
+  plan->status = key == ~0ull ? EPX_SUCCESS : (int32_t)(key & 0xff);
+}
+
+extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host,
+                                 int64_t T, int64_t capacity, const void *topk_idx, epx_dtype_t idx_dtype,
+                                 const float *topk_weights, const uint8_t *map, const float *probs, void *stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  const int64_t W = plan_host->words, R = s->nranks, E = s->num_experts;
+  cudaMemsetAsync(plan_host->rank_bits, 0, sizeof(uint32_t) * R * W, st);
+  cudaMemsetAsync(plan_host->exp_bits, 0, sizeof(uint32_t) * E * W, st);
+  cudaMemsetAsync(plan_host->counts, 0, sizeof(int32_t) * (R + E), st);
+  cudaMemsetAsync(&plan_dev->bad_key, 0xff, sizeof(uint64_t), st);
+  build_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev, T, capacity, topk_idx, idx_dtype, topk_weights, map, probs);
+  prefix_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev);
+  status_kernel<<<1, 1, 0, st>>>(plan_dev);
+  return (int)cudaGetLastError();
+}
+
+/* After the exchange of plan pointers (got[s][1]): the receive side, from every rank's counts. */
+static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t *plan) {
+  const epxc_state_t *st = g.state[g.rank];
+  const int R = s.nranks, L = s.num_local, me = s.rank, tid = threadIdx.x;
+  __shared__ int stop;
+  if (tid == 0) {
+    stop = st->aborted;
+    plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
+    if (plan->group_status) plan->num_recv = plan->num_rows = plan->num_pairs = 0;
+  }
+  __syncthreads();
+  if (stop || plan->group_status) return;
+  if (tid < R) {
+    plan->peer[tid] = (const epxc_plan_t *)st->got[tid][1];
+  }
+  __syncthreads();
+  if (tid < R) {
+    int64_t tb = 0, db = 0;
+    for (int q = 0; q < tid; q++) tb += plan->peer[q]->counts[me];
+    for (int q = 0; q < me; q++) db += plan->peer[q]->counts[tid];
+    plan->tok_base[tid] = tb;
+    plan->dest_base[tid] = db;
+  }
+  for (int l = tid; l < L; l += blockDim.x) {
+    int64_t n = 0;
+    for (int q = 0; q < R; q++) {
+      plan->pair_base[(int64_t)l * R + q] = n; /* block start added below */
+      n += plan->peer[q]->counts[R + me * L + l];
+    }
+    plan->pairs_local[l] = (int32_t)n;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int64_t row = 0, pairs = 0, recv = 0, sent = 0;
+    for (int l = 0; l < L; l++) {
+      plan->block[l] = s.ll ? (int64_t)l * R * s.max_tokens : row;
+      row += (plan->pairs_local[l] + s.align - 1) / s.align * s.align;
+      pairs += plan->pairs_local[l];
+    }
+    plan->block[L] = s.ll ? (int64_t)L * R * s.max_tokens : row;
+    for (int q = 0; q < R; q++) recv += plan->peer[q]->counts[me], sent += plan->counts[q];
+    plan->num_recv = recv;
+    plan->num_pairs = pairs;
+    plan->num_rows = s.expert_layout ? plan->block[L] : recv;
+    plan->sent_copies = sent;
+  }
+  __syncthreads();
+  for (int i = tid; i < L * R; i += blockDim.x) plan->pair_base[i] += plan->block[i / R];
+}
+
+extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream) {
+  finish_kernel<<<1, 1024, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev);
+  return (int)cudaGetLastError();
+}

@@ -1,0 +1,339 @@
+#include "gpuutil.h"
+
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int gu_have_gpu(void) {
+  if (epx_backend_available(EPX_BACKEND_CUDA) != EPX_SUCCESS) {
+    printf("skipped: %s\n", epx_last_error());
+    return 0;
+  }
+  return 1;
+}
+
+const char *gu_case_str(const gu_case_t *c) {
+  static _Thread_local char buf[256];
+  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%d layout=%d align=%d %s->%s form=%d exact=%d", c->R,
+           c->E, c->H, c->K, (long long)c->T[0], (int)c->algo, (int)c->layout, c->align, tu_dtype(c->x_dtype),
+           tu_dtype(c->recv_dtype), c->form, c->exact);
+  return buf;
+}
+
+static size_t esz(epx_dtype_t t) { return epx_dtype_size(t); }
+static int expert_rows(const gu_case_t *c) { return c->algo == EPX_ALGO_LL || c->layout == EPX_LAYOUT_EXPERT; }
+/* Row weight gradients per row: one float (expert rows) or K (token rows). */
+static int g_per_row(const gu_case_t *c) { return expert_rows(c) ? 1 : c->K; }
+
+static int64_t rows_needed(const gu_case_t *c, const tu_moe_t *m, int d);
+
+void gu_inputs_make(gu_inputs_t *in, const gu_case_t *c) {
+  memset(in, 0, sizeof *in);
+  tu_route_opts_t o = tu_route_default();
+  tu_moe_random(&in->m, &tu_rng, c->R, c->E, c->H, c->K, c->x_dtype, c->T, &o, 1);
+  if (c->form == TU_FORM_MAP) tu_moe_make_map(&in->m);
+  for (int r = 0; r < c->R; r++) {
+    const int64_t cap = rows_needed(c, &in->m, r);
+    in->x2[r] = malloc((size_t)(c->T[r] * c->H) * esz(c->x_dtype) + 16);
+    for (int64_t i = 0; i < c->T[r] * c->H; i++) tu_store(c->x_dtype, in->x2[r], (size_t)i, tu_value(&tu_rng));
+    in->g[r] = malloc(sizeof(float) * (size_t)(cap * g_per_row(c) + 1));
+    for (int64_t i = 0; i < cap * g_per_row(c); i++) in->g[r][i] = tu_value(&tu_rng);
+  }
+}
+
+void gu_inputs_free(gu_inputs_t *in, const gu_case_t *c) {
+  for (int r = 0; r < c->R; r++) {
+    free(in->x2[r]);
+    free(in->g[r]);
+  }
+  tu_moe_free(&in->m);
+}
+
+/* Rows rank d's receive buffers need, counted straight from the routing. */
+static int64_t rows_needed(const gu_case_t *c, const tu_moe_t *m, int d) {
+  const int L = c->E / c->R;
+  if (c->algo == EPX_ALGO_LL) return (int64_t)L * c->R * c->max_tokens;
+  int64_t tokens = 0, rows = 0;
+  int64_t *pairs = calloc(L, sizeof(int64_t));
+  for (int s = 0; s < c->R; s++)
+    for (int64_t t = 0; t < c->T[s]; t++) {
+      int here = 0;
+      for (int k = 0; k < c->K; k++) {
+        int e = m->idx[s][t * c->K + k];
+        if (e >= 0 && e / L == d) here = 1, pairs[e % L]++;
+      }
+      tokens += here;
+    }
+  for (int l = 0; l < L; l++) rows += (pairs[l] + c->align - 1) / c->align * c->align;
+  free(pairs);
+  return expert_rows(c) ? rows : tokens;
+}
+
+/* ---- memory on either side ---------------------------------------------------------------- */
+
+typedef struct {
+  int cuda;
+} mem_t;
+
+static void *mem_alloc(const mem_t *m, size_t bytes) {
+  bytes = bytes ? bytes : 16;
+  if (!m->cuda) return tu_alloc_poison(bytes);
+  void *p = NULL;
+  if (cudaMalloc(&p, bytes) != cudaSuccess || cudaMemset(p, TU_POISON, bytes) != cudaSuccess) {
+    fprintf(stderr, "cudaMalloc of %zu bytes failed\n", bytes);
+    exit(1);
+  }
+  return p;
+}
+
+static void *mem_upload(const mem_t *m, const void *src, size_t bytes) {
+  void *p = mem_alloc(m, bytes);
+  if (!src || !bytes) return p;
+  if (m->cuda)
+    cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice);
+  else
+    memcpy(p, src, bytes);
+  return p;
+}
+
+/* Replaces *p (backend memory) by a host copy. */
+static void mem_download(const mem_t *m, void **p, size_t bytes) {
+  if (!m->cuda || !*p) return;
+  void *h = malloc(bytes ? bytes : 16);
+  cudaMemcpy(h, *p, bytes, cudaMemcpyDeviceToHost);
+  cudaFree(*p);
+  *p = h;
+}
+
+/* ---- one rank's sequence ------------------------------------------------------------------ */
+
+typedef struct {
+  const gu_case_t *c;
+  const gu_inputs_t *in;
+  epx_world_t *world;
+  gu_result_t *res;
+  int cuda;
+  /* backend-memory inputs */
+  void *x[TU_MAX_RANKS], *x2[TU_MAX_RANKS], *idx[TU_MAX_RANKS], *w[TU_MAX_RANKS], *map[TU_MAX_RANKS],
+      *probs_in[TU_MAX_RANKS], *g[TU_MAX_RANKS];
+  int64_t *nrows[TU_MAX_RANKS];
+} run_t;
+
+#define STEP(call)                                                               \
+  do {                                                                           \
+    epx_status_t s_ = (call);                                                    \
+    if (s_ != EPX_SUCCESS) {                                                     \
+      snprintf(res->err[r], sizeof res->err[r], "%s: %s", #call, epx_last_error()); \
+      res->st[r] = s_;                                                           \
+      goto done;                                                                 \
+    }                                                                            \
+  } while (0)
+
+static epx_status_t rank_main(int r, void *arg) {
+  run_t *run = arg;
+  const gu_case_t *c = run->c;
+  gu_result_t *res = run->res;
+  const int L = c->E / c->R, H = c->H, K = c->K;
+  const int er = expert_rows(c);
+  epx_comm_t *comm = NULL;
+  epx_handle_t *h = NULL;
+  epx_config_t cfg = tu_config(c->E, H, K, c->max_tokens);
+  cfg.num_sms = c->num_sms;
+  STEP(epx_comm_init(run->world, r, &cfg, &comm));
+  epx_handle_config_t hc = tu_handle_config(c->algo, c->layout, c->align);
+  hc.exact = c->exact;
+  STEP(epx_handle_create(comm, &hc, &h));
+
+  epx_routing_t rt = {.num_tokens = c->T[r]};
+  if (c->form == TU_FORM_MAP) {
+    rt.routing_map = run->map[r];
+    rt.probs = run->probs_in[r];
+  } else {
+    rt.idx_dtype = c->form == TU_FORM_TOPK64 ? EPX_INT64 : EPX_INT32;
+    rt.topk_idx = run->idx[r];
+    rt.topk_weights = run->w[r];
+  }
+  STEP(epx_notify(comm, h, &rt));
+
+  epx_dispatch_args_t d;
+  epx_dispatch_args_init(&d);
+  d.x = run->x[r];
+  d.x_dtype = c->x_dtype;
+  d.recv_dtype = c->recv_dtype;
+  d.recv_x = res->recv_x[r];
+  d.recv_scales = res->scales[r];
+  d.recv_capacity = res->cap[r];
+  d.recv_topk_idx = er ? NULL : res->recv_idx[r];
+  d.recv_topk_weights = er ? NULL : res->recv_w[r];
+  d.recv_probs = er ? res->probs[r] : NULL;
+  d.tokens_per_local_expert = res->cnt[r];
+  d.num_recv_rows = run->nrows[r];
+  STEP(epx_dispatch(comm, h, NULL, &d));
+
+  if (!run->cuda) { /* the experts: what a user's grouped GEMM would do */
+    epx_handle_info_t info;
+    STEP(epx_handle_info(h, &info, NULL));
+    if (er)
+      tu_expert_rows(r, L, H, c->recv_dtype, res->recv_x[r], res->scales[r], res->cnt[r], c->align,
+                     c->algo == EPX_ALGO_LL ? (int64_t)c->R * c->max_tokens : 0, res->cap[r], c->x_dtype, res->y[r]);
+    else
+      tu_expert_token_layout(r, L, H, K, info.num_recv_tokens, c->recv_dtype, res->recv_x[r], res->scales[r],
+                             res->recv_idx[r], res->recv_w[r], c->x_dtype, res->y[r]);
+  }
+
+  epx_combine_args_t cb;
+  epx_combine_args_init(&cb);
+  cb.y = res->y[r];
+  cb.y_dtype = c->x_dtype;
+  cb.out = res->out[r];
+  cb.out_dtype = c->x_dtype;
+  cb.weighted = er;
+  STEP(epx_combine(comm, h, &cb));
+
+  cb.out = res->out2[r];
+  cb.weighted = 0;
+  cb.row_weight_grad = run->g[r];
+  cb.topk_weight_grad = res->wgrad[r];
+  STEP(epx_combine(comm, h, &cb));
+
+  d.x = run->x2[r];
+  d.recv_x = res->recv2[r];
+  d.recv_scales = res->scales2[r];
+  d.recv_topk_idx = NULL;
+  d.recv_topk_weights = NULL;
+  d.recv_probs = NULL;
+  d.tokens_per_local_expert = NULL;
+  d.num_recv_rows = NULL;
+  d.scale_by_probs = er;
+  STEP(epx_dispatch(comm, h, NULL, &d));
+  STEP(epx_comm_synchronize(comm));
+done:
+  epx_handle_destroy(h);
+  epx_comm_destroy(comm);
+  return res->st[r];
+}
+
+int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, const gu_result_t *host,
+           gu_result_t *res) {
+  memset(res, 0, sizeof *res);
+  const mem_t mem = {backend == EPX_BACKEND_CUDA};
+  const int H = c->H, K = c->K, nb = tu_nblocks(H);
+  run_t run = {.c = c, .in = in, .res = res, .cuda = mem.cuda};
+  epx_world_config_t wc;
+  epx_world_config_init(&wc);
+  wc.backend = backend;
+  wc.nranks = c->R;
+  if (epx_world_create(&wc, &run.world) != EPX_SUCCESS) {
+    printf("world create failed: %s\n", epx_last_error());
+    return 1;
+  }
+  for (int r = 0; r < c->R; r++) {
+    const int64_t T = c->T[r];
+    /* Sizes: the host run learns them from its plan; the CUDA run takes the host's. */
+    const int64_t cap = host ? host->cap[r] : rows_needed(c, &in->m, r);
+    res->cap[r] = cap;
+    run.x[r] = mem_upload(&mem, in->m.x[r], (size_t)(T * H) * esz(c->x_dtype));
+    run.x2[r] = mem_upload(&mem, in->x2[r], (size_t)(T * H) * esz(c->x_dtype));
+    run.idx[r] = c->form == TU_FORM_TOPK64 ? mem_upload(&mem, in->m.idx64[r], sizeof(int64_t) * T * K)
+                                           : mem_upload(&mem, in->m.idx[r], sizeof(int32_t) * T * K);
+    run.w[r] = mem_upload(&mem, in->m.w[r], sizeof(float) * T * K);
+    if (c->form == TU_FORM_MAP) {
+      run.map[r] = mem_upload(&mem, in->m.map[r], (size_t)(T * c->E));
+      run.probs_in[r] = mem_upload(&mem, in->m.probs[r], sizeof(float) * T * c->E);
+    }
+    run.g[r] = mem_upload(&mem, in->g[r], sizeof(float) * (size_t)(cap * g_per_row(c)));
+    res->recv_x[r] = mem_alloc(&mem, (size_t)(cap * H) * esz(c->recv_dtype));
+    res->recv2[r] = mem_alloc(&mem, (size_t)(cap * H) * esz(c->recv_dtype));
+    res->scales[r] = mem_alloc(&mem, sizeof(float) * cap * nb);
+    res->scales2[r] = mem_alloc(&mem, sizeof(float) * cap * nb);
+    res->recv_idx[r] = mem_alloc(&mem, sizeof(int32_t) * cap * K);
+    res->recv_w[r] = mem_alloc(&mem, sizeof(float) * cap * K);
+    res->probs[r] = mem_alloc(&mem, sizeof(float) * cap);
+    res->cnt[r] = mem_alloc(&mem, sizeof(int32_t) * (c->E / c->R));
+    res->y[r] = host ? mem_upload(&mem, host->y[r], (size_t)(cap * H) * esz(c->x_dtype))
+                     : mem_alloc(&mem, (size_t)(cap * H) * esz(c->x_dtype));
+    res->out[r] = mem_alloc(&mem, (size_t)(T * H) * esz(c->x_dtype));
+    res->out2[r] = mem_alloc(&mem, (size_t)(T * H) * esz(c->x_dtype));
+    res->wgrad[r] = mem_alloc(&mem, sizeof(float) * T * K);
+    run.nrows[r] = mem.cuda ? mem_alloc(&mem, sizeof(int64_t)) : &res->nrows[r];
+  }
+  epx_status_t st[TU_MAX_RANKS];
+  epx_run_ranks(c->R, rank_main, &run, st);
+  int fail = 0;
+  for (int r = 0; r < c->R; r++)
+    if (res->st[r] != EPX_SUCCESS) {
+      printf("  %s rank %d: %s\n", epx_backend_name(backend), r, res->err[r]);
+      fail = 1;
+    }
+  for (int r = 0; r < c->R; r++) {
+    const int64_t T = c->T[r], cap = res->cap[r];
+    mem_download(&mem, &res->recv_x[r], (size_t)(cap * H) * esz(c->recv_dtype));
+    mem_download(&mem, &res->recv2[r], (size_t)(cap * H) * esz(c->recv_dtype));
+    mem_download(&mem, (void **)&res->scales[r], sizeof(float) * cap * nb);
+    mem_download(&mem, (void **)&res->scales2[r], sizeof(float) * cap * nb);
+    mem_download(&mem, (void **)&res->recv_idx[r], sizeof(int32_t) * cap * K);
+    mem_download(&mem, (void **)&res->recv_w[r], sizeof(float) * cap * K);
+    mem_download(&mem, (void **)&res->probs[r], sizeof(float) * cap);
+    mem_download(&mem, (void **)&res->cnt[r], sizeof(int32_t) * (c->E / c->R));
+    mem_download(&mem, &res->y[r], (size_t)(cap * H) * esz(c->x_dtype));
+    mem_download(&mem, &res->out[r], (size_t)(T * H) * esz(c->x_dtype));
+    mem_download(&mem, &res->out2[r], (size_t)(T * H) * esz(c->x_dtype));
+    mem_download(&mem, (void **)&res->wgrad[r], sizeof(float) * T * K);
+    if (mem.cuda) {
+      cudaMemcpy(&res->nrows[r], run.nrows[r], sizeof(int64_t), cudaMemcpyDeviceToHost);
+      cudaFree(run.nrows[r]);
+    }
+    void *inputs[] = {run.x[r], run.x2[r], run.idx[r], run.w[r], run.map[r], run.probs_in[r], run.g[r]};
+    for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
+      if (!inputs[i]) continue;
+      if (mem.cuda)
+        cudaFree(inputs[i]);
+      else
+        free(inputs[i]);
+    }
+  }
+  epx_world_destroy(run.world);
+  return fail;
+}
+
+void gu_result_free(gu_result_t *r, int R) {
+  for (int i = 0; i < R; i++) {
+    void *p[] = {r->recv_x[i], r->recv2[i], r->out[i], r->out2[i], r->scales[i], r->scales2[i], r->recv_w[i],
+                 r->probs[i], r->wgrad[i], r->recv_idx[i], r->cnt[i], r->y[i]};
+    for (size_t j = 0; j < sizeof p / sizeof *p; j++) free(p[j]);
+  }
+  memset(r, 0, sizeof *r);
+}
+
+void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label) {
+  const int H = c->H, K = c->K, L = c->E / c->R, nb = tu_nblocks(H), er = expert_rows(c);
+  for (int r = 0; r < c->R; r++) {
+    const int64_t cap = want->cap[r], T = c->T[r];
+    char what[512];
+#define CMP(name, t, a, b, n, row)                                                    \
+  do {                                                                                \
+    snprintf(what, sizeof what, "%s rank %d %s [%s]", label, r, name, gu_case_str(c)); \
+    tu_check_bits(what, t, a, b, n, row);                                             \
+  } while (0)
+    CMP("recv_x", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv_x[r], want->recv_x[r], cap * H, H);
+    CMP("recv2", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv2[r], want->recv2[r], cap * H, H);
+    if (c->recv_dtype == EPX_FP8_E4M3) {
+      CMP("scales", EPX_FLOAT32, got->scales[r], want->scales[r], cap * nb, nb);
+      CMP("scales2", EPX_FLOAT32, got->scales2[r], want->scales2[r], cap * nb, nb);
+    }
+    if (er) {
+      CMP("probs", EPX_FLOAT32, got->probs[r], want->probs[r], cap, 1);
+    } else {
+      CMP("recv_idx", EPX_INT32, got->recv_idx[r], want->recv_idx[r], cap * K, K);
+      CMP("recv_w", EPX_FLOAT32, got->recv_w[r], want->recv_w[r], cap * K, K);
+    }
+    CMP("tokens_per_local_expert", EPX_INT32, got->cnt[r], want->cnt[r], L, L);
+    CHECK(got->nrows[r] == want->nrows[r], "%s rank %d num_recv_rows %lld, host %lld", label, r,
+          (long long)got->nrows[r], (long long)want->nrows[r]);
+    CMP("out", c->x_dtype, got->out[r], want->out[r], T * H, H);
+    CMP("out2 (dispatch gradient)", c->x_dtype, got->out2[r], want->out2[r], T * H, H);
+    CMP("topk weight gradient", EPX_FLOAT32, got->wgrad[r], want->wgrad[r], T * K, K);
+#undef CMP
+  }
+}

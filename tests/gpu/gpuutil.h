@@ -1,0 +1,64 @@
+/*
+ * gpuutil — runs one MoE layer's whole sequence of epx calls on either backend with the same
+ * inputs, so the GPU tests can compare the CUDA backend with the host backend bit for bit.
+ *
+ * The sequence, on every rank:
+ *   notify (routing in the case's form)          exact sizes or sync-free
+ *   dispatch (routing NULL: the plan)            -> recv_x, scales, recv_idx / recv_w, probs, cnt, nrows
+ *   [host only] stand-in experts on recv_x       -> y (the CUDA run gets the host's y)
+ *   combine(y, weighted as the layout wants)     -> out
+ *   combine(y, weighted 0, row_weight_grad = g)  -> out2, wgrad       (dispatch's gradient)
+ *   dispatch replay of x2, scale_by_probs        -> recv2             (combine's gradient)
+ * Buffers are allocated before and read after the rank threads run, so no allocation or
+ * device-wide sync happens while a peer's kernel waits.
+ */
+#ifndef EPX_GPUUTIL_H
+#define EPX_GPUUTIL_H
+
+#include "testutil.h"
+
+#define GU_SKIP 77 /* CTest's skip code: no GPU here */
+
+typedef struct {
+  int R, E, H, K, align, exact, form, max_tokens;
+  epx_algo_t algo;
+  epx_layout_t layout;
+  epx_dtype_t x_dtype, recv_dtype;
+  int64_t T[TU_MAX_RANKS];
+  int num_sms;
+} gu_case_t;
+
+/* One backend's buffers and results, every array host-readable after gu_run. */
+typedef struct {
+  int64_t cap[TU_MAX_RANKS];
+  void *recv_x[TU_MAX_RANKS], *recv2[TU_MAX_RANKS], *out[TU_MAX_RANKS], *out2[TU_MAX_RANKS];
+  float *scales[TU_MAX_RANKS], *scales2[TU_MAX_RANKS], *recv_w[TU_MAX_RANKS], *probs[TU_MAX_RANKS];
+  float *wgrad[TU_MAX_RANKS];
+  int32_t *recv_idx[TU_MAX_RANKS], *cnt[TU_MAX_RANKS];
+  int64_t nrows[TU_MAX_RANKS];
+  void *y[TU_MAX_RANKS];
+  epx_status_t st[TU_MAX_RANKS];
+  char err[TU_MAX_RANKS][256];
+} gu_result_t;
+
+/* Inputs shared by both runs. */
+typedef struct {
+  tu_moe_t m;
+  void *x2[TU_MAX_RANKS];      /* [T, H] x_dtype: the "output gradient" replayed by dispatch */
+  float *g[TU_MAX_RANKS];      /* [cap(, K)] row weight gradients */
+} gu_inputs_t;
+
+/* 1 when a CUDA device is usable; prints why not otherwise. */
+int gu_have_gpu(void);
+void gu_inputs_make(gu_inputs_t *in, const gu_case_t *c);
+void gu_inputs_free(gu_inputs_t *in, const gu_case_t *c);
+/* Runs the sequence. For the CUDA backend, `host` (a finished host run) supplies y and the
+ * buffer sizes. Returns 0 when every rank succeeded. */
+int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, const gu_result_t *host, gu_result_t *res);
+/* CHECKs every output of `got` against `want` bit for bit. */
+void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label);
+void gu_result_free(gu_result_t *r, int R);
+/* "R=4 E=64 ..." for messages. */
+const char *gu_case_str(const gu_case_t *c);
+
+#endif

@@ -1,0 +1,143 @@
+/* epx-bench on the CUDA backend: device memory, events, the stand-in experts as kernels with
+ * the host's arithmetic, and the copy bandwidth that is the emulation's floor. */
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+
+extern "C" {
+#include "bench_dev.h"
+#include "dense_ref.h"
+}
+
+static void check(cudaError_t e, const char *what) {
+  if (e != cudaSuccess) {
+    fprintf(stderr, "epx-bench: %s: %s\n", what, cudaGetErrorString(e));
+    exit(1);
+  }
+}
+
+static void *dev_alloc(size_t bytes) {
+  void *p = NULL;
+  check(cudaMalloc(&p, bytes ? bytes : 16), "cudaMalloc");
+  check(cudaMemset(p, 0, bytes ? bytes : 16), "cudaMemset");
+  return p;
+}
+static void dev_release(void *p) { cudaFree(p); }
+static void dev_upload(void *d, const void *s, size_t n) { check(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice), "upload"); }
+static void dev_download(void *d, const void *s, size_t n) { check(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost), "download"); }
+static void *dev_stream_create(void) {
+  cudaStream_t s;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  return s;
+}
+static void dev_stream_destroy(void *s) { cudaStreamDestroy((cudaStream_t)s); }
+static void *dev_event_create(void) {
+  cudaEvent_t e;
+  check(cudaEventCreate(&e), "event");
+  return e;
+}
+static void dev_event_destroy(void *e) { cudaEventDestroy((cudaEvent_t)e); }
+static void dev_event_record(void *e, void *s) { cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s); }
+static double dev_elapsed_ms(void *a, void *b) {
+  float ms = 0;
+  check(cudaEventSynchronize((cudaEvent_t)b), "event sync");
+  check(cudaEventElapsedTime(&ms, (cudaEvent_t)a, (cudaEvent_t)b), "elapsed");
+  return ms;
+}
+
+static __device__ float scale_of(int e) { return 0.5f + 0.0625f * (float)(e % 23); } /* dense_expert_scale */
+
+static __device__ float recv_value(const bench_standin_t &a, int64_t row, int c) {
+  if (a.recv_dtype == EPX_FLOAT32) return ((const float *)a.recv_x)[row * a.hidden + c];
+  if (a.recv_dtype == EPX_BFLOAT16)
+    return __uint_as_float((uint32_t)((const uint16_t *)a.recv_x)[row * a.hidden + c] << 16);
+  const int blocks = (a.hidden + 127) / 128;
+  __half_raw h = __nv_cvt_fp8_to_halfraw(((const __nv_fp8_storage_t *)a.recv_x)[row * a.hidden + c], __NV_E4M3);
+  return __fmul_rn(__half2float(*(__half *)&h), a.scales[row * blocks + c / 128]);
+}
+
+static __device__ float round_y(epx_dtype_t t, float v) {
+  return t == EPX_BFLOAT16 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+}
+
+static __device__ void put(void *y, epx_dtype_t t, int64_t i, float v) {
+  if (t == EPX_BFLOAT16) {
+    __nv_bfloat16 b = __float2bfloat16_rn(v);
+    ((uint16_t *)y)[i] = *(uint16_t *)&b;
+  } else {
+    ((float *)y)[i] = v;
+  }
+}
+
+static __global__ void tokens_kernel(bench_standin_t a) {
+  const int64_t n_elems = a.rows * a.hidden;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t n = i / a.hidden;
+    const int c = (int)(i % a.hidden);
+    const float xin = recv_value(a, n, c);
+    float acc = 0.0f;
+    for (int k = 0; k < a.topk; k++) {
+      const int l = a.recv_idx[n * a.topk + k];
+      if (l < 0) continue;
+      acc = __fadd_rn(acc, __fmul_rn(a.recv_w[n * a.topk + k], round_y(a.y_dtype, __fmul_rn(scale_of(a.rank * a.num_local + l), xin))));
+    }
+    put(a.y, a.y_dtype, i, acc);
+  }
+}
+
+static __global__ void experts_kernel(bench_standin_t a) {
+  const int64_t n_elems = a.rows * a.hidden;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / a.hidden;
+    const int c = (int)(i % a.hidden);
+    int64_t start = 0;
+    int l = 0;
+    for (; l < a.num_local; l++) {
+      const int64_t block = a.ll_stride ? a.ll_stride : (a.counts[l] + a.align - 1) / a.align * a.align;
+      if (r < start + block) break;
+      start += block;
+    }
+    if (l == a.num_local || r >= start + a.counts[l]) continue; /* padding, or past the count */
+    put(a.y, a.y_dtype, i, __fmul_rn(scale_of(a.rank * a.num_local + l), recv_value(a, r, c)));
+  }
+}
+
+static void dev_standin_tokens(const bench_standin_t *a, void *s) {
+  if (a->rows) tokens_kernel<<<132, 512, 0, (cudaStream_t)s>>>(*a);
+  check(cudaGetLastError(), "stand-in kernel");
+}
+static void dev_standin_experts(const bench_standin_t *a, void *s) {
+  if (a->rows) experts_kernel<<<132, 512, 0, (cudaStream_t)s>>>(*a);
+  check(cudaGetLastError(), "stand-in kernel");
+}
+
+static double dev_copy_bandwidth(void) {
+  const size_t bytes = (size_t)2 << 30;
+  void *a = dev_alloc(bytes), *b = dev_alloc(bytes);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  check(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "warm-up copy");
+  float best = 1e30f;
+  for (int i = 0; i < 5; i++) {
+    cudaEventRecord(e0);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (ms < best) best = ms;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * (double)bytes / (best * 1e-3);
+}
+
+extern "C" const bench_dev_t bench_cuda_dev = {
+    "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy,
+    dev_event_create, dev_event_destroy, dev_event_record, dev_elapsed_ms, dev_standin_tokens, dev_standin_experts,
+    dev_copy_bandwidth,
+};
