@@ -7,9 +7,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 out=${OUT:-gpu-check-out}
+logs=$(mktemp -d)
 mkdir -p "$out"
 build=${EPX_GPU_BUILD:-build-gpu}
 export NCCL_NVLS_ENABLE=0
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 export LD_LIBRARY_PATH="$PWD/$build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
@@ -22,10 +24,11 @@ summary=()
 run() { # name, command...
   local name=$1; shift
   local t0=$SECONDS
-  "$@" >"$out/$name.log" 2>&1
+  "$@" >"$logs/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-28s %-6s %4ds' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)))")
-  tail -5 "$out/$name.log"
+  { echo "=== $name"; cat "$logs/$name.log"; } >>"$out/all.log"
+  tail -5 "$logs/$name.log"
   return $rc
 }
 
@@ -49,8 +52,8 @@ fi
 echo
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
-grep -h '^{' "$out"/bench-*.log 2>/dev/null > "$out/bench.jsonl" || true
-for f in "$out"/bench-*.log; do
+grep -h '^{' "$logs"/bench-*.log 2>/dev/null > "$out/bench.jsonl" || true
+for f in "$logs"/bench-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"
   grep -E '^(copy|dispatch|combine|notify|check)' "$f"

@@ -64,7 +64,12 @@ static epx_status_t cuda_fail(cudaError_t e, const char *what) {
 
 #define LAUNCH_TRY(call, what) CUDA_TRY((cudaError_t)(call), what)
 
+/* Kernels of the ranks sharing a GPU wait on each other, so no rank's stream may queue behind
+ * another's in one hardware queue: ask for as many queues as CUDA has (the default is 8). This
+ * only takes effect before CUDA starts in this process; a framework that starts CUDA first
+ * should set the variable itself. */
 epx_status_t epxi_cuda_available(void) {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0)
@@ -74,7 +79,14 @@ epx_status_t epxi_cuda_available(void) {
 }
 
 static cuda_comm_t *CC(const epx_comm_t *c) { return (cuda_comm_t *)c->impl; }
-static cudaStream_t stream_of(const epx_comm_t *c) { return c->stream ? (cudaStream_t)c->stream : CC(c)->own_stream; }
+/* The comm's own stream is made on first use only: every stream made takes a hardware queue,
+ * and ranks whose streams share one can deadlock (see epxi_cuda_available). */
+static cudaStream_t stream_of(const epx_comm_t *c) {
+  cuda_comm_t *cc = CC(c);
+  if (c->stream) return (cudaStream_t)c->stream;
+  if (!cc->own_stream) cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
+  return cc->own_stream;
+}
 
 /* ---- world ------------------------------------------------------------------------------ */
 
@@ -153,13 +165,14 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   cc->device = dev;
   /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
    * kernels waiting that a device-wide sync would stall. */
-  cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
-  if (e == cudaSuccess) e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), cc->own_stream);
-  if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
+  cudaStream_t init;
+  cudaError_t e = cudaStreamCreateWithFlags(&init, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), init);
+  if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), init);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(init);
+  cudaStreamDestroy(init);
   if (e != cudaSuccess) {
     if (cc->state) cudaFree(cc->state);
-    if (cc->own_stream) cudaStreamDestroy(cc->own_stream);
     free(cc);
     return cuda_fail(e, "comm state");
   }
@@ -169,7 +182,6 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
                                         sizeof(void *), states);
   if (s != EPX_SUCCESS) {
     cudaFree(cc->state);
-    cudaStreamDestroy(cc->own_stream);
     free(cc);
     return s;
   }
@@ -189,10 +201,10 @@ static void cuda_comm_destroy(epx_comm_t *c) {
   cuda_comm_t *cc = CC(c);
   if (!cc) return;
   cudaSetDevice(cc->device);
-  cudaStreamSynchronize(stream_of(c));
-  cudaFreeAsync(cc->state, cc->own_stream);
-  cudaStreamSynchronize(cc->own_stream);
-  cudaStreamDestroy(cc->own_stream);
+  cudaStream_t st = stream_of(c);
+  cudaFreeAsync(cc->state, st);
+  cudaStreamSynchronize(st);
+  if (cc->own_stream) cudaStreamDestroy(cc->own_stream);
   free(cc);
 }
 

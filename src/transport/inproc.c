@@ -1,6 +1,7 @@
 /* In-process rendezvous: the ranks are threads of this process. Bounded barriers and
  * pointer exchanges under one mutex; a wait that runs out breaks the group for good, so no
- * rank can hang on it later. */
+ * rank can hang on it later. One of the group's implementations (internal.h; the other,
+ * across processes, is shm.c). */
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -10,7 +11,8 @@
 
 #include "core/internal.h"
 
-struct epxi_group {
+typedef struct {
+  epxi_group_t base;               /* ops, nranks; drives ranks [0, nranks) */
   int nranks;
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -20,11 +22,14 @@ struct epxi_group {
   const void *slot[2][EPX_MAX_RANKS]; /* shared pointers, by barrier parity */
   bool broken;
   char broken_why[256];
-};
+} inproc_group_t;
+
+static const epxi_group_ops_t inproc_ops;
 
 epx_status_t epxi_group_create(int nranks, epxi_group_t **group) {
-  epxi_group_t *g = calloc(1, sizeof *g);
+  inproc_group_t *g = calloc(1, sizeof *g);
   if (!g) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "group of %d ranks", nranks);
+  g->base = (epxi_group_t){.ops = &inproc_ops, .nranks = nranks, .first_rank = 0, .num_local = nranks};
   g->nranks = nranks;
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -32,19 +37,19 @@ epx_status_t epxi_group_create(int nranks, epxi_group_t **group) {
   pthread_mutex_init(&g->mu, NULL);
   pthread_cond_init(&g->cv, &ca);
   pthread_condattr_destroy(&ca);
-  *group = g;
+  *group = &g->base;
   return EPX_SUCCESS;
 }
 
-void epxi_group_destroy(epxi_group_t *g) {
-  if (!g) return;
+static void inproc_destroy(epxi_group_t *base) {
+  inproc_group_t *g = (inproc_group_t *)base;
   pthread_mutex_destroy(&g->mu);
   pthread_cond_destroy(&g->cv);
   free(g);
 }
 
-bool epxi_group_broken(const epxi_group_t *g) {
-  epxi_group_t *m = (epxi_group_t *)g;
+static bool inproc_broken(const epxi_group_t *g) {
+  inproc_group_t *m = (inproc_group_t *)g;
   pthread_mutex_lock(&m->mu);
   bool b = m->broken;
   pthread_mutex_unlock(&m->mu);
@@ -52,7 +57,7 @@ bool epxi_group_broken(const epxi_group_t *g) {
 }
 
 /* Names the ranks that have not entered barrier `gen` (called with the lock held). */
-static void describe_missing(const epxi_group_t *g, uint64_t gen, char *buf, size_t n) {
+static void describe_missing(const inproc_group_t *g, uint64_t gen, char *buf, size_t n) {
   size_t len = 0;
   int count = 0;
   buf[0] = '\0';
@@ -65,7 +70,7 @@ static void describe_missing(const epxi_group_t *g, uint64_t gen, char *buf, siz
 
 /* Enters the next barrier with `mine` in this rank's slot; on return every rank's pointer of
  * this barrier is in g->slot[parity]. */
-static epx_status_t enter(epxi_group_t *g, int rank, const char *phase, int timeout_ms, const void *mine,
+static epx_status_t enter(inproc_group_t *g, int rank, const char *phase, int timeout_ms, const void *mine,
                           int *parity) {
   struct timespec deadline;
   clock_gettime(CLOCK_MONOTONIC, &deadline);
@@ -110,13 +115,14 @@ static epx_status_t enter(epxi_group_t *g, int rank, const char *phase, int time
   return s;
 }
 
-epx_status_t epxi_group_barrier(epxi_group_t *g, int rank, const char *phase, int timeout_ms) {
+static epx_status_t inproc_barrier(epxi_group_t *base, int rank, const char *phase, int timeout_ms) {
   int parity;
-  return enter(g, rank, phase, timeout_ms, NULL, &parity);
+  return enter((inproc_group_t *)base, rank, phase, timeout_ms, NULL, &parity);
 }
 
-epx_status_t epxi_group_share(epxi_group_t *g, int rank, const char *phase, int timeout_ms, const void *mine,
-                              size_t bytes, const void **all) {
+static epx_status_t inproc_share(epxi_group_t *base, int rank, const char *phase, int timeout_ms, const void *mine,
+                                 size_t bytes, const void **all) {
+  inproc_group_t *g = (inproc_group_t *)base;
   (void)bytes; /* the peers read `mine` in place */
   int parity;
   EPX_CHECK(enter(g, rank, phase, timeout_ms, mine, &parity));
@@ -126,11 +132,10 @@ epx_status_t epxi_group_share(epxi_group_t *g, int rank, const char *phase, int 
   return EPX_SUCCESS;
 }
 
-epx_status_t epxi_group_allgather(epxi_group_t *g, int rank, const char *phase, int timeout_ms, const void *mine,
-                                  size_t bytes, void *all) {
-  const void *ptrs[EPX_MAX_RANKS];
-  EPX_CHECK(epxi_group_share(g, rank, phase, timeout_ms, mine, bytes, ptrs));
-  for (int r = 0; r < g->nranks; r++) memcpy((char *)all + r * bytes, ptrs[r], bytes);
-  /* `mine` must outlive the peers' copies. */
-  return epxi_group_barrier(g, rank, phase, timeout_ms);
-}
+static const epxi_group_ops_t inproc_ops = {
+    .name = "in-process",
+    .destroy = inproc_destroy,
+    .barrier = inproc_barrier,
+    .share = inproc_share,
+    .broken = inproc_broken,
+};

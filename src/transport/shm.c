@@ -1,0 +1,755 @@
+/* Cross-process rendezvous: one rank per process, every process on this host.
+ *
+ * Memory. Each rank owns one anonymous shared-memory file (memfd: it never has a name in
+ * /dev/shm, so nothing is left behind whatever happens to the processes). Its first page is
+ * the rank's header (barrier counter, state, share sizes); share slot i lives at offset
+ * (i + 1) * SLOT_SPAN, a sparse region grown on demand (ftruncate) and mapped by the peers
+ * at the size they need. The ranks pass their files to each other once, over unix sockets in
+ * the abstract namespace (no file-system names either), and keep those connections open:
+ * they are how a rank learns that a peer's process has gone.
+ *
+ * Barriers. Rank r's header counts the barriers r has entered; barrier g is complete for r
+ * when every peer's count is >= g. Only the owner writes its counter (release), the others
+ * read it (acquire) and sleep on it through a futex with a short timeout, checking the
+ * deadline, the peers' states and their liveness (socket hang-up, kill(pid, 0)) in between.
+ *
+ * Shares. A share is a barrier whose arrival first copies the caller's bytes into its next
+ * slot; slots restart at 0 after each plain barrier, so every share made since the caller's
+ * last barrier stays readable by the peers until its next one (a peer can only pass barrier
+ * g + 1 after this rank entered it).
+ *
+ * Failure. A wait that times out, a peer that died or left, or a local error marks the group
+ * broken for good and publishes the reason in the rank's header, so the peers waiting on it
+ * fail at once with that reason instead of waiting for their own timeouts. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/internal.h"
+
+#define SHM_TAG 0x3170786568736d65ull  /* "emshexp1" */
+#define HDR_BYTES 4096
+#define SLOTS 4                        /* shares between two barriers */
+#define SLOT_SPAN ((off_t)1 << 36)     /* 64 GiB of file offsets per slot (sparse) */
+#define SLOT_MIN_CAP ((size_t)1 << 16)
+#define SPIN_ROUNDS 64                 /* sched_yield polls before sleeping on the futex */
+#define NAP_NS 2000000L                /* futex sleep between liveness checks: 2 ms */
+
+enum { STATE_OK = 0, STATE_BROKEN = 1, STATE_LEFT = 2 };
+
+/* One rank's header, the first page of its file. */
+typedef struct {
+  uint64_t tag;
+  int32_t rank, nranks, pid, header_bytes;
+  _Atomic uint32_t reached;  /* barriers entered (futex word) */
+  _Atomic uint32_t waiters;  /* peers sleeping on `reached` */
+  _Atomic uint32_t state;    /* STATE_* */
+  int32_t status;            /* why it broke: an epx_status_t ... */
+  char why[512];             /* ... and the message (written before state) */
+  struct {
+    uint32_t gen;            /* barrier number of the share that filled the slot */
+    uint32_t pad;
+    uint64_t bytes;
+  } slot[SLOTS];
+} shm_header_t;
+
+_Static_assert(sizeof(shm_header_t) <= HDR_BYTES, "header fits its page");
+
+typedef struct {
+  void *ptr;
+  size_t len;
+} mapping_t;
+
+typedef struct {
+  epxi_group_t base;
+  int rank;
+  int fd[EPX_MAX_RANKS];      /* every rank's file (own included) */
+  int sock[EPX_MAX_RANKS];    /* connection to each peer, -1 for self */
+  pid_t pid[EPX_MAX_RANKS];   /* as this process sees it; 0 = unknown (other pid namespace) */
+  shm_header_t *hdr[EPX_MAX_RANKS];
+  mapping_t map[EPX_MAX_RANKS][SLOTS]; /* own slots read-write, peers' read-only */
+  off_t file_bytes;           /* size of the own file */
+  uint32_t gen;               /* barriers this rank entered */
+  int next_slot;              /* shares since the last plain barrier */
+  bool broken;
+  char why[512];
+} shm_group_t;
+
+static const epxi_group_ops_t shm_ops;
+
+/* ---- small helpers -------------------------------------------------------------------- */
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static uint64_t random_u64(void) {
+  uint64_t x = 0;
+  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    if (read(fd, &x, sizeof x) != (ssize_t)sizeof x) x = 0;
+    close(fd);
+  }
+  static _Atomic uint64_t counter;
+  x ^= (uint64_t)now_ns() * 0x9e3779b97f4a7c15ull ^ ((uint64_t)getpid() << 32) ^ atomic_fetch_add(&counter, 1);
+  return x;
+}
+
+static int futex_wait(_Atomic uint32_t *word, uint32_t val, long ns) {
+  struct timespec ts = {.tv_sec = ns / 1000000000L, .tv_nsec = ns % 1000000000L};
+  return (int)syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *word) { syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
+
+/* a >= b for wrapping counters */
+static bool reached(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
+
+static size_t round_cap(size_t bytes) {
+  size_t c = SLOT_MIN_CAP;
+  while (c < bytes) c <<= 1;
+  return c;
+}
+
+static off_t slot_offset(int slot) { return SLOT_SPAN * (off_t)(slot + 1); }
+
+/* An anonymous shared file: memfd, or (old kernels) a POSIX segment unlinked at once. */
+static int anon_shared_file(int rank) {
+  char name[64];
+  snprintf(name, sizeof name, "epx-rank%d", rank);
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd >= 0 || errno != ENOSYS) return fd;
+  for (int tries = 0; tries < 16; tries++) {
+    snprintf(name, sizeof name, "/epx-%d-%016llx", (int)getpid(), (unsigned long long)random_u64());
+    fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd >= 0) {
+      shm_unlink(name);
+      return fd;
+    }
+    if (errno != EEXIST) return -1;
+  }
+  return -1;
+}
+
+/* ---- failure ------------------------------------------------------------------------- */
+
+/* Breaks the group for good, publishes why to the peers and records the message. */
+static epx_status_t break_group(shm_group_t *g, epx_status_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static epx_status_t break_group(shm_group_t *g, epx_status_t status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g->why, sizeof g->why, fmt, ap);
+  va_end(ap);
+  if (!g->broken) {
+    g->broken = true;
+    shm_header_t *me = g->hdr[g->rank];
+    if (me && atomic_load(&me->state) == STATE_OK) {
+      me->status = status;
+      memcpy(me->why, g->why, sizeof me->why);
+      atomic_store(&me->state, STATE_BROKEN);
+      futex_wake(&me->reached);
+    }
+  }
+  return epxi_fail(status, "%s", g->why);
+}
+
+/* Whether peer r's process is gone: its end of our connection hung up, or its pid is no
+ * more. (A zombie still has a pid, but its sockets are closed; a child that inherited the
+ * sockets keeps them open, but the pid is gone.) */
+static bool peer_gone(const shm_group_t *g, int r) {
+  if (g->sock[r] >= 0) {
+    struct pollfd p = {.fd = g->sock[r], .events = POLLIN | POLLRDHUP};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLRDHUP | POLLERR | POLLNVAL))) return true;
+  }
+  if (g->pid[r] > 0 && kill(g->pid[r], 0) != 0 && errno == ESRCH) return true;
+  return false;
+}
+
+/* Lists ranks in a message: "2, 5 and 3 more". */
+static void list_ranks(const int *ranks, int n, char *buf, size_t size) {
+  size_t len = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < n && i < 8 && len < size; i++)
+    len += snprintf(buf + len, size - len, "%s%d", i ? ", " : "", ranks[i]);
+  if (n > 8 && len < size) snprintf(buf + len, size - len, " and %d more", n - 8);
+}
+
+/* ---- barrier --------------------------------------------------------------------------- */
+
+/* Enters barrier g->gen + 1 (after the caller filled any slot) and waits for every peer. */
+static epx_status_t arrive_and_wait(shm_group_t *g, const char *phase, int timeout_ms) {
+  const int R = g->base.nranks, me = g->rank;
+  const uint32_t target = ++g->gen;
+  shm_header_t *mine = g->hdr[me];
+  atomic_store(&mine->reached, target); /* seq_cst: ordered before the load of waiters */
+  if (atomic_load(&mine->waiters)) futex_wake(&mine->reached);
+
+  const int64_t start = now_ns(), deadline = start + (int64_t)timeout_ms * 1000000LL;
+  for (int round = 0;; round++) {
+    int missing = -1;
+    uint32_t seen = 0;
+    for (int r = 0; r < R && missing < 0; r++) {
+      if (r == me) continue;
+      uint32_t v = atomic_load_explicit(&g->hdr[r]->reached, memory_order_acquire);
+      if (!reached(v, target)) missing = r, seen = v;
+    }
+    if (missing < 0) return EPX_SUCCESS;
+
+    /* A peer that gave up tells why; one that left or died will never arrive. */
+    for (int r = 0; r < R; r++) {
+      if (r == me || reached(atomic_load_explicit(&g->hdr[r]->reached, memory_order_acquire), target)) continue;
+      uint32_t st = atomic_load_explicit(&g->hdr[r]->state, memory_order_acquire);
+      if (st == STATE_BROKEN) {
+        char why[sizeof g->hdr[r]->why];
+        memcpy(why, g->hdr[r]->why, sizeof why);
+        why[sizeof why - 1] = '\0';
+        epx_status_t s = g->hdr[r]->status;
+        if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST) s = EPX_ERR_PEER_LOST;
+        return break_group(g, s, "rank %d, phase %s: rank %d gave up (%s)", me, phase, r, why);
+      }
+      if (st == STATE_LEFT)
+        return break_group(g, EPX_ERR_PEER_LOST, "rank %d, phase %s: rank %d left the group (it destroyed its world)",
+                           me, phase, r);
+    }
+    if (round < SPIN_ROUNDS) {
+      sched_yield();
+      continue;
+    }
+    int gone[EPX_MAX_RANKS], ngone = 0, late[EPX_MAX_RANKS], nlate = 0;
+    for (int r = 0; r < R; r++) {
+      if (r == me || reached(atomic_load_explicit(&g->hdr[r]->reached, memory_order_acquire), target)) continue;
+      if (peer_gone(g, r)) gone[ngone++] = r;
+      late[nlate++] = r;
+    }
+    /* Re-read after the liveness check: a peer may have arrived, then exited cleanly. */
+    int still = 0;
+    for (int i = 0; i < ngone; i++)
+      if (!reached(atomic_load_explicit(&g->hdr[gone[i]]->reached, memory_order_acquire), target))
+        gone[still++] = gone[i];
+    if (still > 0) {
+      char list[160];
+      list_ranks(gone, still, list, sizeof list);
+      int r0 = gone[0];
+      return break_group(g, EPX_ERR_PEER_LOST,
+                         "rank %d, phase %s: peer rank %s lost: its process (pid %d%s) exited before arriving", me,
+                         phase, list, (int)g->pid[r0], still > 1 ? ", ..." : "");
+    }
+    int64_t now = now_ns();
+    if (now >= deadline) {
+      if (nlate == 0) continue; /* everyone arrived meanwhile */
+      char list[160];
+      list_ranks(late, nlate, list, sizeof list);
+      return break_group(g, EPX_ERR_TIMEOUT, "rank %d, phase %s timed out after %d ms waiting for rank %s", me, phase,
+                         timeout_ms, list);
+    }
+    long nap = NAP_NS;
+    if (deadline - now < nap) nap = (long)(deadline - now);
+    shm_header_t *peer = g->hdr[missing];
+    atomic_fetch_add(&peer->waiters, 1);
+    if (atomic_load(&peer->reached) == seen) futex_wait(&peer->reached, seen, nap);
+    atomic_fetch_sub(&peer->waiters, 1);
+  }
+}
+
+static epx_status_t check_usable(shm_group_t *g, int rank, const char *phase) {
+  if (rank != g->rank)
+    return epxi_fail(EPX_ERR_INTERNAL, "phase %s: rank %d called the group of rank %d", phase, rank, g->rank);
+  if (g->broken)
+    return epxi_fail(EPX_ERR_BROKEN, "rank %d, phase %s: the group broke earlier (%s)", rank, phase, g->why);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t shm_barrier(epxi_group_t *base, int rank, const char *phase, int timeout_ms) {
+  shm_group_t *g = (shm_group_t *)base;
+  EPX_CHECK(check_usable(g, rank, phase));
+  g->next_slot = 0; /* every peer is done with the shares before this barrier once it completes */
+  return arrive_and_wait(g, phase, timeout_ms);
+}
+
+/* ---- share ----------------------------------------------------------------------------- */
+
+/* Maps [slot_offset, +len) of rank r's file, replacing a smaller mapping. */
+static epx_status_t map_slot(shm_group_t *g, int r, int slot, size_t bytes, const char *phase) {
+  mapping_t *m = &g->map[r][slot];
+  if (m->ptr && m->len >= bytes) return EPX_SUCCESS;
+  size_t len = round_cap(bytes);
+  int prot = r == g->rank ? PROT_READ | PROT_WRITE : PROT_READ;
+  void *p = mmap(NULL, len, prot, MAP_SHARED, g->fd[r], slot_offset(slot));
+  if (p == MAP_FAILED)
+    return break_group(g, errno == ENOMEM ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
+                       "rank %d, phase %s: could not map %zu bytes of rank %d's shared segment: %s", g->rank, phase,
+                       len, r, strerror(errno));
+  if (m->ptr) munmap(m->ptr, m->len);
+  m->ptr = p;
+  m->len = len;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t shm_share(epxi_group_t *base, int rank, const char *phase, int timeout_ms, const void *mine,
+                              size_t bytes, const void **all) {
+  shm_group_t *g = (shm_group_t *)base;
+  EPX_CHECK(check_usable(g, rank, phase));
+  const int R = g->base.nranks, me = g->rank;
+  const int slot = g->next_slot;
+  if (slot >= SLOTS)
+    return break_group(g, EPX_ERR_INTERNAL, "rank %d, phase %s: more than %d shares without a barrier", me, phase, SLOTS);
+  if (bytes > (size_t)SLOT_SPAN)
+    return break_group(g, EPX_ERR_OUT_OF_MEMORY,
+                       "rank %d, phase %s: a share of %zu bytes exceeds the cross-process limit of %lld bytes", me,
+                       phase, bytes, (long long)SLOT_SPAN);
+  g->next_slot++;
+
+  /* Copy into the own slot, growing the file first. */
+  shm_header_t *h = g->hdr[me];
+  if (bytes > 0) {
+    off_t end = slot_offset(slot) + (off_t)round_cap(bytes);
+    if (end > g->file_bytes) {
+      if (ftruncate(g->fd[me], end) != 0)
+        return break_group(g, EPX_ERR_OUT_OF_MEMORY, "rank %d, phase %s: could not grow the shared segment to %lld bytes: %s",
+                           me, phase, (long long)end, strerror(errno));
+      g->file_bytes = end;
+    }
+    EPX_CHECK(map_slot(g, me, slot, bytes, phase));
+    memcpy(g->map[me][slot].ptr, mine, bytes);
+  }
+  h->slot[slot].bytes = bytes;
+  h->slot[slot].gen = g->gen + 1;
+  EPX_CHECK(arrive_and_wait(g, phase, timeout_ms));
+
+  /* Every peer filled its slot for this barrier (the release of its counter covers it). */
+  for (int r = 0; r < R; r++) {
+    if (r == me) {
+      all[r] = bytes ? g->map[me][slot].ptr : mine;
+      continue;
+    }
+    const shm_header_t *ph = g->hdr[r];
+    if (ph->slot[slot].gen != g->gen)
+      return break_group(g, EPX_ERR_INTERNAL,
+                         "rank %d, phase %s: rank %d is in another collective (its share %d is from barrier %u, this is "
+                         "barrier %u)",
+                         me, phase, r, slot, ph->slot[slot].gen, g->gen);
+    size_t n = ph->slot[slot].bytes;
+    all[r] = NULL;
+    if (n == 0) continue;
+    EPX_CHECK(map_slot(g, r, slot, n, phase));
+    all[r] = g->map[r][slot].ptr;
+  }
+  return EPX_SUCCESS;
+}
+
+static bool shm_broken(const epxi_group_t *base) { return ((const shm_group_t *)base)->broken; }
+
+static void shm_destroy(epxi_group_t *base) {
+  shm_group_t *g = (shm_group_t *)base;
+  const int R = g->base.nranks;
+  shm_header_t *me = g->hdr[g->rank];
+  if (me) {
+    uint32_t ok = STATE_OK;
+    atomic_compare_exchange_strong(&me->state, &ok, STATE_LEFT);
+    futex_wake(&me->reached);
+  }
+  for (int r = 0; r < R; r++) {
+    for (int s = 0; s < SLOTS; s++)
+      if (g->map[r][s].ptr) munmap(g->map[r][s].ptr, g->map[r][s].len);
+    if (g->hdr[r]) munmap(g->hdr[r], HDR_BYTES);
+    if (g->fd[r] >= 0) close(g->fd[r]);
+    if (g->sock[r] >= 0) close(g->sock[r]);
+  }
+  free(g);
+}
+
+static const epxi_group_ops_t shm_ops = {
+    .name = "cross-process",
+    .destroy = shm_destroy,
+    .barrier = shm_barrier,
+    .share = shm_share,
+    .broken = shm_broken,
+};
+
+/* ---- creation -------------------------------------------------------------------------- */
+
+/* What every rank tells the others through the bootstrap exchange. */
+typedef struct {
+  char tag[8];
+  int32_t rank, nranks, backend, pid;
+  int32_t status;      /* EPX_SUCCESS, or why this rank could not set up */
+  uint32_t uid;
+  uint64_t nonce;      /* proves a connecting peer took part in this exchange */
+  char boot_id[48];    /* same host */
+  char sock[48];       /* abstract unix socket name, without the leading NUL */
+} shm_info_t;
+
+#define INFO_TAG "epxshm1"
+
+/* What a rank sends over each connection, with its file descriptor. */
+typedef struct {
+  uint64_t tag;
+  int32_t from, to;
+  uint64_t nonce;      /* the receiver's nonce */
+} hello_t;
+
+static void read_boot_id(char *out, size_t n) {
+  memset(out, 0, n);
+  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    ssize_t k = read(fd, out, n - 1);
+    close(fd);
+    if (k > 0) {
+      while (k > 0 && (out[k - 1] == '\n' || out[k - 1] == ' ')) out[--k] = '\0';
+      return;
+    }
+  }
+  if (gethostname(out, n - 1) != 0) out[0] = '\0';
+}
+
+static socklen_t abstract_addr(const char *name, struct sockaddr_un *a) {
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  size_t len = strnlen(name, sizeof a->sun_path - 2);
+  memcpy(a->sun_path + 1, name, len);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + len);
+}
+
+/* Waits until fd is ready for `events` or the deadline passes; 1 ready, 0 timeout, -1 error. */
+static int wait_fd(int fd, short events, int64_t deadline) {
+  for (;;) {
+    int64_t left = deadline - now_ns();
+    if (left <= 0) return 0;
+    struct pollfd p = {.fd = fd, .events = events};
+    int ms = (int)((left + 999999) / 1000000);
+    int rc = poll(&p, 1, ms);
+    if (rc > 0) return 1;
+    if (rc < 0 && errno != EINTR) return -1;
+  }
+}
+
+static int send_hello(int sock, const hello_t *h, int fd, int64_t deadline) {
+  char ctrl[CMSG_SPACE(sizeof(int))];
+  memset(ctrl, 0, sizeof ctrl);
+  struct iovec iov = {.iov_base = (void *)h, .iov_len = sizeof *h};
+  struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctrl, .msg_controllen = sizeof ctrl};
+  struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  for (;;) {
+    ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (n == (ssize_t)sizeof *h) return 0;
+    if (n >= 0) return -1; /* a short datagram of a stream: should not happen for 24 bytes */
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    if (wait_fd(sock, POLLOUT, deadline) <= 0) return -1;
+  }
+}
+
+/* Receives one hello and its descriptor; returns 1, 0 on timeout, -1 on error or EOF. */
+static int recv_hello(int sock, hello_t *h, int *fd, int64_t deadline) {
+  *fd = -1;
+  for (;;) {
+    char ctrl[CMSG_SPACE(sizeof(int) * 4)];
+    struct iovec iov = {.iov_base = h, .iov_len = sizeof *h};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctrl, .msg_controllen = sizeof ctrl};
+    ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      int w = wait_fd(sock, POLLIN, deadline);
+      if (w <= 0) return w;
+      continue;
+    }
+    for (struct cmsghdr *c = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL; c; c = CMSG_NXTHDR(&msg, c))
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        int nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int i = 0; i < nfds; i++) {
+          int f;
+          memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+          if (*fd < 0)
+            *fd = f;
+          else
+            close(f);
+        }
+      }
+    if (n == (ssize_t)sizeof *h && *fd >= 0) return 1;
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+    return -1;
+  }
+}
+
+static pid_t peer_pid(int sock) {
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return 0;
+  return cred.pid;
+}
+
+/* The file and socket exchange: rank i connects to every j > i, accepts every j < i; on each
+ * connection both send a hello with their file. Nobody waits on a send, so there is no
+ * cycle: connects queue in the listener's backlog. */
+static epx_status_t exchange_files(shm_group_t *g, int listener, const shm_info_t *infos, int64_t deadline,
+                                   int timeout_ms) {
+  const int R = g->base.nranks, me = g->rank;
+  const uint64_t my_nonce = infos[me].nonce;
+  char list[160];
+
+  for (int j = me + 1; j < R; j++) {
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0) return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: socket: %s", me, strerror(errno));
+    g->sock[j] = s;
+    struct sockaddr_un a;
+    socklen_t alen = abstract_addr(infos[j].sock, &a);
+    for (;;) {
+      if (connect(s, (struct sockaddr *)&a, alen) == 0) break;
+      if (errno == EINTR || errno == EAGAIN) {
+        if (now_ns() >= deadline)
+          return epxi_fail(EPX_ERR_TIMEOUT, "rank %d, bootstrap: rank %d did not accept a connection within %d ms", me,
+                           j, timeout_ms);
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+        continue;
+      }
+      return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: could not connect to rank %d (pid %d): %s", me, j,
+                       (int)infos[j].pid, strerror(errno));
+    }
+    hello_t h = {.tag = SHM_TAG, .from = me, .to = j, .nonce = infos[j].nonce};
+    if (send_hello(s, &h, g->fd[me], deadline) != 0)
+      return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: could not send the shared segment to rank %d: %s", me, j,
+                       strerror(errno));
+  }
+
+  /* Connections from the lower ranks (others are strays: dropped). */
+  int pending = me;
+  while (pending > 0) {
+    int w = wait_fd(listener, POLLIN, deadline);
+    if (w <= 0) {
+      int miss[EPX_MAX_RANKS], n = 0;
+      for (int j = 0; j < me; j++)
+        if (g->sock[j] < 0) miss[n++] = j;
+      list_ranks(miss, n, list, sizeof list);
+      return epxi_fail(w == 0 ? EPX_ERR_TIMEOUT : EPX_ERR_SYSTEM,
+                       "rank %d, bootstrap: rank %s did not connect within %d ms", me, list, timeout_ms);
+    }
+    int s = accept4(listener, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (s < 0) continue;
+    hello_t h;
+    int fd;
+    int rc = recv_hello(s, &h, &fd, deadline);
+    if (rc != 1 || h.tag != SHM_TAG || h.to != me || h.nonce != my_nonce || h.from < 0 || h.from >= me ||
+        g->sock[h.from] >= 0) {
+      if (fd >= 0) close(fd);
+      close(s);
+      continue;
+    }
+    g->sock[h.from] = s;
+    g->fd[h.from] = fd;
+    pending--;
+    hello_t back = {.tag = SHM_TAG, .from = me, .to = h.from, .nonce = infos[h.from].nonce};
+    if (send_hello(s, &back, g->fd[me], deadline) != 0)
+      return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: could not send the shared segment to rank %d: %s", me,
+                       h.from, strerror(errno));
+  }
+
+  /* The higher ranks' answers. */
+  for (int j = me + 1; j < R; j++) {
+    hello_t h;
+    int fd;
+    int rc = recv_hello(g->sock[j], &h, &fd, deadline);
+    if (rc == 0)
+      return epxi_fail(EPX_ERR_TIMEOUT, "rank %d, bootstrap: rank %d did not answer within %d ms", me, j, timeout_ms);
+    if (rc < 0 || h.tag != SHM_TAG || h.from != j || h.to != me || h.nonce != my_nonce) {
+      if (fd >= 0) close(fd);
+      return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: rank %d (pid %d) closed the connection or answered garbage",
+                       me, j, (int)infos[j].pid);
+    }
+    g->fd[j] = fd;
+  }
+
+  /* Liveness: the pid as this process sees it (0 when the peer is in another pid namespace). */
+  for (int j = 0; j < R; j++) g->pid[j] = j == me ? getpid() : peer_pid(g->sock[j]);
+  return EPX_SUCCESS;
+}
+
+/* Checks what every rank said about itself; every rank sees the same list, so they all fail
+ * alike. */
+static epx_status_t check_infos(const shm_info_t *infos, int R, int me) {
+  for (int r = 0; r < R; r++) {
+    const shm_info_t *i = &infos[r];
+    if (memcmp(i->tag, INFO_TAG, sizeof i->tag) != 0)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                       "rank %d, bootstrap: the allgather gave no epx data at position %d (is it rank-major, of the "
+                       "size asked?)", me, r);
+    if (i->status != EPX_SUCCESS)
+      return epxi_fail((epx_status_t)i->status == EPX_ERR_OUT_OF_MEMORY ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_PEER_LOST,
+                       "rank %d, bootstrap: rank %d could not set up its side of the group (%s)", me, r,
+                       epx_status_string((epx_status_t)i->status));
+    if (i->nranks != R)
+      return epxi_fail(EPX_ERR_CONFIG_MISMATCH, "bootstrap: rank %d says the group has %d ranks, rank %d says %d",
+                       me, R, i->rank, i->nranks);
+    if (i->rank != r)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                       "bootstrap: position %d of the allgather holds rank %d (two processes claim one rank, or the "
+                       "allgather is not rank-major)", r, i->rank);
+  }
+  for (int r = 1; r < R; r++) {
+    if (infos[r].backend != infos[0].backend)
+      return epxi_fail(EPX_ERR_CONFIG_MISMATCH, "bootstrap: rank 0 uses the %s backend but rank %d uses %s",
+                       epx_backend_name((epx_backend_t)infos[0].backend), r,
+                       epx_backend_name((epx_backend_t)infos[r].backend));
+    if (strncmp(infos[r].boot_id, infos[0].boot_id, sizeof infos[0].boot_id) != 0)
+      return epxi_fail(EPX_ERR_UNSUPPORTED,
+                       "bootstrap: rank %d runs on another host than rank 0; a cross-process group needs every rank "
+                       "on one host", r);
+  }
+  return EPX_SUCCESS;
+}
+
+epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_exchange_fn exchange, void *ctx,
+                                   int timeout_ms, epxi_group_t **group) {
+  *group = NULL;
+  shm_group_t *g = calloc(1, sizeof *g);
+  if (!g) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cross-process group");
+  g->base = (epxi_group_t){.ops = &shm_ops, .nranks = nranks, .first_rank = rank, .num_local = 1};
+  g->rank = rank;
+  for (int r = 0; r < EPX_MAX_RANKS; r++) g->fd[r] = g->sock[r] = -1;
+
+  epx_status_t s = EPX_SUCCESS;
+  int listener = -1;
+  int64_t deadline;
+  shm_info_t mine, *infos = calloc((size_t)nranks, sizeof *infos);
+  memset(&mine, 0, sizeof mine);
+  if (!infos) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap table");
+
+  /* Own file and header. */
+  if (s == EPX_SUCCESS) {
+    g->fd[rank] = anon_shared_file(rank);
+    if (g->fd[rank] < 0 || ftruncate(g->fd[rank], HDR_BYTES) != 0)
+      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not create its shared segment: %s", rank, strerror(errno));
+    g->file_bytes = HDR_BYTES;
+  }
+  if (s == EPX_SUCCESS) {
+    void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[rank], 0);
+    if (p == MAP_FAILED)
+      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map its shared segment: %s", rank, strerror(errno));
+    else
+      g->hdr[rank] = p;
+  }
+  if (s == EPX_SUCCESS) {
+    shm_header_t *h = g->hdr[rank];
+    h->tag = SHM_TAG;
+    h->rank = rank;
+    h->nranks = nranks;
+    h->pid = (int32_t)getpid();
+    h->header_bytes = (int32_t)sizeof *h;
+  }
+
+  /* Listener in the abstract namespace: gone with the process, never in the file system. */
+  memcpy(mine.tag, INFO_TAG, sizeof mine.tag);
+  mine.rank = rank;
+  mine.nranks = nranks;
+  mine.backend = backend;
+  mine.pid = (int32_t)getpid();
+  mine.uid = (uint32_t)getuid();
+  mine.nonce = random_u64();
+  read_boot_id(mine.boot_id, sizeof mine.boot_id);
+  if (s == EPX_SUCCESS) {
+    listener = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (listener < 0) s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: socket: %s", rank, strerror(errno));
+  }
+  for (int tries = 0; s == EPX_SUCCESS; tries++) {
+    snprintf(mine.sock, sizeof mine.sock, "epx.%d.%016llx", (int)getpid(), (unsigned long long)random_u64());
+    struct sockaddr_un a;
+    socklen_t alen = abstract_addr(mine.sock, &a);
+    if (bind(listener, (struct sockaddr *)&a, alen) == 0 && listen(listener, EPX_MAX_RANKS) == 0) break;
+    if (errno != EADDRINUSE || tries > 8)
+      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not listen on a unix socket: %s", rank, strerror(errno));
+  }
+
+  /* Round 1: who is who. A rank that failed so far still takes part (with its status), so
+   * that the others fail at once rather than at their timeouts. */
+  mine.status = s;
+  if (infos) {
+    epx_status_t x = exchange(&mine, infos, sizeof mine, ctx);
+    if (s == EPX_SUCCESS) s = x;
+    if (x != EPX_SUCCESS) goto out; /* no agreement possible */
+  } else {
+    goto out;
+  }
+  if (s == EPX_SUCCESS) s = check_infos(infos, nranks, rank);
+
+  /* The files, over the sockets; then the peers' headers. The clock starts now: joining may
+   * have taken the first exchange a while. */
+  deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
+  if (s == EPX_SUCCESS) s = exchange_files(g, listener, infos, deadline, timeout_ms);
+  for (int r = 0; r < nranks && s == EPX_SUCCESS; r++) {
+    if (r == rank) continue;
+    void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[r], 0);
+    if (p == MAP_FAILED) {
+      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map rank %d's shared segment: %s", rank, r, strerror(errno));
+      break;
+    }
+    g->hdr[r] = p;
+    if (g->hdr[r]->tag != SHM_TAG || g->hdr[r]->rank != r || g->hdr[r]->nranks != nranks ||
+        g->hdr[r]->header_bytes != (int32_t)sizeof(shm_header_t))
+      s = epxi_fail(EPX_ERR_INTERNAL, "rank %d: rank %d's shared segment has a foreign header (another epx version?)",
+                    rank, r);
+  }
+
+  /* Round 2: everyone attached, or everyone fails. A rank that failed hangs up first, so that
+   * peers still waiting on it in exchange_files see it at once. */
+  if (s != EPX_SUCCESS) {
+    close(listener);
+    listener = -1;
+    for (int r = 0; r < nranks; r++)
+      if (g->sock[r] >= 0) close(g->sock[r]), g->sock[r] = -1;
+  }
+  {
+    const epx_status_t before = s;
+    int32_t vote = s, *votes = calloc((size_t)nranks, sizeof *votes);
+    if (!votes) {
+      if (s == EPX_SUCCESS) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap votes");
+      goto out;
+    }
+    char keep[1024];
+    snprintf(keep, sizeof keep, "%s", epx_last_error());
+    epx_status_t x = exchange(&vote, votes, sizeof vote, ctx);
+    if (s == EPX_SUCCESS && x != EPX_SUCCESS) s = x;
+    if (before != EPX_SUCCESS) epxi_fail(before, "%s", keep); /* this rank's own reason comes first */
+    for (int r = 0; r < nranks && s == EPX_SUCCESS; r++)
+      if (votes[r] != EPX_SUCCESS)
+        s = epxi_fail(votes[r] == EPX_ERR_TIMEOUT ? EPX_ERR_TIMEOUT : EPX_ERR_PEER_LOST,
+                      "rank %d, bootstrap: rank %d could not join the group (%s)", rank, r,
+                      epx_status_string((epx_status_t)votes[r]));
+    free(votes);
+  }
+
+out:
+  if (listener >= 0) close(listener);
+  free(infos);
+  if (s != EPX_SUCCESS) {
+    shm_destroy(&g->base);
+    return s;
+  }
+  *group = &g->base;
+  return EPX_SUCCESS;
+}
