@@ -70,6 +70,9 @@ static epx_status_t cuda_fail(cudaError_t e, const char *what) {
  * should set the variable itself. */
 epx_status_t epxi_cuda_available(void) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  /* Lazy module loading can make a first launch wait for the device to go idle: with ranks'
+   * kernels waiting on each other that is a deadlock until the timeout. Same caveat. */
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0)
@@ -160,6 +163,11 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
                      "num_sms %d x %d ranks on device %d needs %d SMs, the GPU has %d: the ranks could not run "
                      "at once",
                      c->cfg.num_sms, sharing, dev, sharing * c->cfg.num_sms, prop.multiProcessorCount);
+  /* Every kernel loaded before any rank can launch one (the allgather below is a barrier). */
+  cudaError_t pe = (cudaError_t)epxc_preload_exchange();
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_layout();
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ht();
+  if (pe != cudaSuccess) return cuda_fail(pe, "loading the kernels");
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;

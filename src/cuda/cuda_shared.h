@@ -134,6 +134,12 @@ typedef struct {
 
 /* ---- launchers (each returns cudaGetLastError() as an int) --------------------------- */
 
+/* Loads every kernel of a family now. With lazy loading, a kernel's first launch may wait for
+ * the device to go idle, which never happens while a peer's exchange spins on this rank. */
+int epxc_preload_exchange(void);
+int epxc_preload_layout(void);
+int epxc_preload_ht(void);
+
 /* Publishes `words` to every peer's mailbox and waits for every peer's; the payloads land in
  * this rank's state->got. word[0] of every payload is a status (read from status_dev when
  * that is given): the first non-success one is recorded in group_status and as this rank's

@@ -208,3 +208,14 @@ extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, 
   finish_kernel<<<1, 1024, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev);
   return (int)cudaGetLastError();
 }
+
+extern "C" int epxc_preload_layout(void) {
+  struct cudaFuncAttributes a;
+  cudaError_t e = cudaSuccess;
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)layout_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)build_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)prefix_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)status_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)finish_kernel);
+  return (int)e;
+}
