@@ -1,6 +1,7 @@
 /* The public entry points: argument checks common to every backend, object life cycles,
  * and the hand-off to the backend. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -367,12 +368,22 @@ static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, b
   return EPX_SUCCESS;
 }
 
+/* A bad argument found on one rank still takes part in the operation, carrying its status,
+ * so every rank fails with it at once instead of waiting out the timeout for this one. */
+static epx_status_t fail_collective(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t bad) {
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", epx_last_error());
+  if (comm->world->ops->abort) collective_result(comm, comm->world->ops->abort(comm, handle, op, bad));
+  return epxi_fail(bad, "%s", msg);
+}
+
 epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_notify"));
   EPX_CHECK(check_handle(comm, handle, false, "epx_notify"));
-  EPX_CHECK(epxi_check_routing_form(routing));
   handle->planned = false;
+  epx_status_t bad = epxi_check_routing_form(routing);
+  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_NOTIFY, bad);
   epx_status_t s = collective_result(comm, comm->world->ops->notify(comm, handle, routing));
   handle->planned = s == EPX_SUCCESS;
   return s;
@@ -410,11 +421,7 @@ void epx_dispatch_args_init(epx_dispatch_args_t *args) {
   args->recv_dtype = EPX_BFLOAT16;
 }
 
-epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing,
-                          const epx_dispatch_args_t *args) {
-  epxi_clear_error();
-  EPX_CHECK(check_comm(comm, "epx_dispatch"));
-  EPX_CHECK(check_handle(comm, handle, routing == NULL, "epx_dispatch"));
+static epx_status_t check_dispatch_args(const epx_comm_t *comm, const epx_dispatch_args_t *args) {
   if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: args is NULL");
   if (!is_float_type(args->x_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch x_dtype must be float32 or bfloat16, not %s",
@@ -429,6 +436,20 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: fp8 needs recv_scales");
   if (args->recv_capacity < 0)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_capacity %lld < 0", (long long)args->recv_capacity);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing,
+                          const epx_dispatch_args_t *args) {
+  epxi_clear_error();
+  EPX_CHECK(check_comm(comm, "epx_dispatch"));
+  EPX_CHECK(check_handle(comm, handle, routing == NULL, "epx_dispatch"));
+  epx_status_t bad = check_dispatch_args(comm, args);
+  if (bad == EPX_SUCCESS && routing) bad = epxi_check_routing_form(routing);
+  if (bad != EPX_SUCCESS) {
+    if (routing) handle->planned = false;
+    return fail_collective(comm, handle, routing ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH, bad);
+  }
   if (routing) EPX_CHECK(epx_notify(comm, handle, routing));
   return collective_result(comm, comm->world->ops->dispatch(comm, handle, args));
 }
@@ -440,10 +461,7 @@ void epx_combine_args_init(epx_combine_args_t *args) {
   args->weighted = 1;
 }
 
-epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
-  epxi_clear_error();
-  EPX_CHECK(check_comm(comm, "epx_combine"));
-  EPX_CHECK(check_handle(comm, handle, true, "epx_combine"));
+static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine_args_t *args) {
   if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: args is NULL");
   if (!is_float_type(args->y_dtype) || !is_float_type(args->out_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine y_dtype and out_dtype must be float32 or bfloat16 (got %s, %s)",
@@ -452,6 +470,15 @@ epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combi
   EPX_CHECK(check_row_for(comm, args->out_dtype, "combine out"));
   if (!args->row_weight_grad != !args->topk_weight_grad)
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: row_weight_grad and topk_weight_grad go together");
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
+  epxi_clear_error();
+  EPX_CHECK(check_comm(comm, "epx_combine"));
+  EPX_CHECK(check_handle(comm, handle, true, "epx_combine"));
+  epx_status_t bad = check_combine_args(comm, args);
+  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad);
   return collective_result(comm, comm->world->ops->combine(comm, handle, args));
 }
 

@@ -149,6 +149,9 @@ struct epx_handle {
   void *impl;            /* backend's per-handle state */
 };
 
+/* The collective calls, for a rank that takes part only to fail. */
+typedef enum { EPXI_OP_NOTIFY, EPXI_OP_DISPATCH, EPXI_OP_NOTIFY_DISPATCH, EPXI_OP_COMBINE } epxi_op_t;
+
 /* What a backend implements. The core validates arguments first; a backend only checks
  * what needs its memory (contents of device arrays). */
 struct epxi_backend {
@@ -170,6 +173,9 @@ struct epxi_backend {
    * synchronize: wait for the comm's queued work, then report as poll does. */
   epx_status_t (*poll)(epx_comm_t *comm);
   epx_status_t (*synchronize)(epx_comm_t *comm);
+  /* Takes part in `op` as far as the peers need to learn that this rank failed with `status`
+   * (the argument checks in api.c found it), so none of them waits for it. */
+  epx_status_t (*abort)(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t status);
 };
 
 extern const epxi_backend_t epxi_host_backend;
@@ -205,8 +211,9 @@ int64_t epxi_token_base(const epxi_counts_t *c, int d, int s);
 int64_t epxi_recv_tokens(const epxi_counts_t *c, int d);
 /* Pairs arriving for local expert l of rank d. */
 int64_t epxi_expert_pairs(const epxi_counts_t *c, int d, int l);
-/* First row of expert l's block on d, blocks padded to `align` rows. */
-int64_t epxi_expert_block(const epxi_counts_t *c, int d, int l, int align);
+/* First row of each local expert's block on d, blocks padded to `align` rows: block[0..L],
+ * block[L] being the rows in use. */
+void epxi_expert_blocks(const epxi_counts_t *c, int d, int align, int64_t *block);
 /* First row of source s's pairs inside expert l's block on d. */
 int64_t epxi_expert_source_base(const epxi_counts_t *c, int d, int l, int s);
 static inline int64_t epxi_round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }

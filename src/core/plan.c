@@ -21,8 +21,7 @@ int64_t epxi_expert_pairs(const epxi_counts_t *c, int d, int l) {
   return epxi_expert_source_base(c, d, l, c->nranks);
 }
 
-int64_t epxi_expert_block(const epxi_counts_t *c, int d, int l, int align) {
-  int64_t row = 0;
-  for (int q = 0; q < l; q++) row += epxi_round_up(epxi_expert_pairs(c, d, q), align);
-  return row;
+void epxi_expert_blocks(const epxi_counts_t *c, int d, int align, int64_t *block) {
+  block[0] = 0;
+  for (int l = 0; l < c->num_local; l++) block[l + 1] = block[l] + epxi_round_up(epxi_expert_pairs(c, d, l), align);
 }

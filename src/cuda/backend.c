@@ -237,7 +237,7 @@ static epx_status_t report(epx_comm_t *c, bool all) {
     s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "rank %d: %s: %lld rows arrive but recv_capacity is smaller; nothing written",
                   c->rank, ph, detail);
   else
-    s = epxi_fail((epx_status_t)status, "rank %d: %s: rank %d's routing was refused (%s)", c->rank, ph, peer,
+    s = epxi_fail((epx_status_t)status, "rank %d: %s: rank %d failed (%s)", c->rank, ph, peer,
                   epx_status_string((epx_status_t)status));
   if (!fatal) e->status = 0; /* reported; the comm stays usable */
   return s;
@@ -458,6 +458,30 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   return EPX_SUCCESS;
 }
 
+/* The peers' operations are exchange-framed: post this rank's status in the opening exchange
+ * (the peers then skip their work) and join the closing one. A sync-free notify + dispatch
+ * is two operations to the peers; an exact notify already stops them after the first. */
+static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status) {
+  cuda_comm_t *cc = CC(c);
+  cudaStream_t st = stream_of(c);
+  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
+                                  [EPXI_OP_DISPATCH] = {EPXC_PH_DISPATCH, EPXC_PH_DISPATCH_DONE},
+                                  [EPXI_OP_NOTIFY_DISPATCH] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
+                                  [EPXI_OP_COMBINE] = {EPXC_PH_COMBINE, EPXC_PH_COMBINE_DONE}};
+  uint64_t words[EPXC_SLOT_WORDS] = {(uint64_t)(uint32_t)status};
+  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], words, NULL, st), "exchange");
+  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, st), "exchange");
+  if (op == EPXI_OP_NOTIFY_DISPATCH && !(h->hc.exact && h->hc.algo != EPX_ALGO_LL)) {
+    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "exchange");
+    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, st), "exchange");
+  }
+  /* this rank's own report is the caller's message, not the device's copy of it */
+  cudaStreamSynchronize(st);
+  ((cuda_world_t *)c->world->impl)->errors_host[c->rank].status = 0;
+  return status;
+}
+
 const epxi_backend_t epxi_cuda_backend = {
     .name = "cuda",
     .world_create = cuda_world_create,
@@ -473,4 +497,5 @@ const epxi_backend_t epxi_cuda_backend = {
     .combine = cuda_combine,
     .poll = cuda_poll,
     .synchronize = cuda_synchronize,
+    .abort = cuda_abort,
 };

@@ -15,8 +15,11 @@ static __device__ __forceinline__ uint64_t got(const epxc_group_t *g, int s, int
   return g->state[g->rank]->got[s][i];
 }
 
+/* Nothing to do when this rank stopped, the plan was refused, or a rank failed the exchange
+ * that opened this operation. */
 static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const epxc_plan_t *plan) {
-  return rank_stopped(g) || plan->group_status != EPX_SUCCESS;
+  return rank_stopped(g) || plan->group_status != EPX_SUCCESS ||
+         ((volatile epxc_state_t *)g->state[g->rank])->group_status != EPX_SUCCESS;
 }
 
 /* The slots of token t of `src` that land on rank `me`, sorted by local expert:

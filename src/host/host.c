@@ -70,6 +70,7 @@ typedef struct {
   float *recv_weight;  /* [N, K] */
   int64_t *recv_row;   /* [N, K]: expert-layout row of each slot, -1 if not on this rank */
   int32_t *pairs_per_local; /* [L] */
+  int64_t *block;            /* [L + 1]: first row of each local expert's block here */
 } host_plan_t;
 
 static void plan_clear(host_plan_t *p) {
@@ -84,6 +85,7 @@ static void plan_clear(host_plan_t *p) {
   free(p->recv_weight);
   free(p->recv_row);
   free(p->pairs_per_local);
+  free(p->block);
   host_plan_t keep = *p;
   memset(p, 0, sizeof *p);
   p->nranks = keep.nranks, p->rank = keep.rank, p->num_experts = keep.num_experts;
@@ -116,10 +118,10 @@ static void host_handle_destroy(epx_handle_t *h) {
   free(p);
 }
 
-/* First row of local expert l's pairs from source s on destination d. */
-static int64_t pair_base(const host_plan_t *p, int d, int l, int s) {
-  int64_t block = p->ll ? (int64_t)l * p->nranks * p->max_tokens : epxi_expert_block(&p->counts, d, l, p->align);
-  return block + epxi_expert_source_base(&p->counts, d, l, s);
+/* First row of each local expert's block on destination d (low-latency: fixed strides). */
+static void expert_blocks(const host_plan_t *p, int d, int64_t *block) {
+  if (!p->ll) return epxi_expert_blocks(&p->counts, d, p->align, block);
+  for (int l = 0; l <= p->num_local; l++) block[l] = (int64_t)l * p->nranks * p->max_tokens;
 }
 
 /* Layout of a normalised routing; any output may be NULL. */
@@ -187,8 +189,12 @@ static void plan_send(host_plan_t *p) {
   const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
   int64_t next_tok[EPX_MAX_RANKS];
   for (int d = 0; d < R; d++) next_tok[d] = epxi_token_base(&p->counts, d, me);
-  int64_t *next_pair = calloc(p->num_experts, sizeof(int64_t));
-  for (int e = 0; e < p->num_experts; e++) next_pair[e] = pair_base(p, e / L, e % L, me);
+  int64_t *next_pair = calloc(p->num_experts, sizeof(int64_t)), *block = calloc(L + 1, sizeof(int64_t));
+  for (int d = 0; d < R; d++) {
+    expert_blocks(p, d, block);
+    for (int l = 0; l < L; l++) next_pair[d * L + l] = block[l] + epxi_expert_source_base(&p->counts, d, l, me);
+  }
+  free(block);
   for (int64_t t = 0; t < p->route.num_tokens; t++) {
     bool in_rank[EPX_MAX_RANKS] = {false};
     for (int k = 0; k < K; k++) {
@@ -223,7 +229,7 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
     memcpy(&T, routes[s], sizeof T);
     const int32_t *idx = (const int32_t *)((const char *)routes[s] + sizeof(int64_t));
     const float *w = (const float *)(idx + T * K);
-    for (int l = 0; l < L; l++) next_pair[l] = pair_base(p, me, l, s);
+    for (int l = 0; l < L; l++) next_pair[l] = p->block[l] + epxi_expert_source_base(&p->counts, me, l, s);
     for (int64_t t = 0; t < T; t++) {
       bool here_any = false;
       for (int k = 0; k < K; k++) here_any |= idx[t * K + k] >= 0 && idx[t * K + k] / L == me;
@@ -297,9 +303,9 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
     p->pairs_per_local[l] = (int32_t)epxi_expert_pairs(&p->counts, me, l);
     p->num_pairs += p->pairs_per_local[l];
   }
-  p->num_rows = !p->expert_layout ? p->num_recv
-                : p->ll           ? (int64_t)L * R * p->max_tokens
-                                  : epxi_expert_block(&p->counts, me, L, p->align);
+  p->block = xcalloc(L + 1, sizeof(int64_t), &s);
+  if (s == EPX_SUCCESS) expert_blocks(p, me, p->block);
+  p->num_rows = !p->expert_layout ? p->num_recv : s == EPX_SUCCESS ? p->block[L] : 0;
 
   /* Arrival metadata, from the sources' routings. */
   s = agree(comm, "notify:plan", s);
@@ -350,8 +356,7 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   if (!row || !scaled) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "dispatch row");
   if (s == EPX_SUCCESS && p->expert_layout && !p->ll) /* padding rows: zero data, zero weight */
     for (int l = 0; l < p->num_local; l++) {
-      int64_t lo = epxi_expert_block(&p->counts, me, l, p->align) + p->pairs_per_local[l];
-      int64_t hi = epxi_expert_block(&p->counts, me, l + 1, p->align);
+      int64_t lo = p->block[l] + p->pairs_per_local[l], hi = p->block[l + 1];
       for (int64_t r = lo; r < hi; r++) {
         zero_recv_row(a, a->recv_x, a->recv_scales, r, H);
         if (a->recv_probs) a->recv_probs[r] = 0.0f;
@@ -487,6 +492,13 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   return s;
 }
 
+/* Every operation opens with an agreement on the ranks' statuses: joining it is enough. */
+static epx_status_t host_abort(epx_comm_t *comm, epx_handle_t *h, epxi_op_t op, epx_status_t status) {
+  (void)h;
+  static const char *const phase[] = {"notify:validate", "dispatch:validate", "notify:validate", "combine:validate"};
+  return agree(comm, phase[op], status);
+}
+
 const epxi_backend_t epxi_host_backend = {
     .name = "host",
     .handle_create = host_handle_create,
@@ -496,4 +508,5 @@ const epxi_backend_t epxi_host_backend = {
     .handle_info = host_handle_info,
     .dispatch = host_dispatch,
     .combine = host_combine,
+    .abort = host_abort,
 };
