@@ -1,12 +1,15 @@
 # The two commands of the README:
 #   make bench   builds epx and runs epx-bench --check on the best backend here
-#   make test    builds epx and runs every test: the normal build, then ASan + UBSan
+#   make test    builds epx and runs every test: CTest on the normal build, the Python tests,
+#                then CTest again under ASan + UBSan
 BUILD ?= build
 ASAN_BUILD ?= build-asan
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 BENCH_ARGS ?=
 
-.PHONY: all build bench test test-release test-sanitize clean
+PYTHON ?= python3
+
+.PHONY: all build bench test test-release test-python test-install test-sanitize clean
 
 all: build
 
@@ -17,10 +20,21 @@ build:
 bench: build
 	./$(BUILD)/epx-bench --check $(BENCH_ARGS)
 
-test: test-release test-sanitize
+test: test-release test-python test-sanitize
 
 test-release: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The Python package against this checkout's build (numpy and pytest; torch tests skip
+# without torch, GPU tests without a GPU). pytest's exit 5 (nothing collected) is no pass.
+test-python: build
+	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+
+# `pip install .` into a fresh venv, then the Python tests against the installed package.
+test-install:
+	rm -rf /tmp/epx-venv && $(PYTHON) -m venv /tmp/epx-venv
+	/tmp/epx-venv/bin/pip install -q . pytest
+	cd /tmp && EPX_TEST_INSTALLED=1 /tmp/epx-venv/bin/python -m pytest $(CURDIR)/tests/python -q -p no:cacheprovider
 
 # The CUDA sources are left out here: no GPU runs them under the sanitizers anyway.
 test-sanitize:

@@ -1,0 +1,50 @@
+"""pytest set-up for epx's Python tests.
+
+By default the tests import the package from this checkout (``python/epx``), which loads
+``build/libepx.so`` (``make build``) or the library named by ``EPX_LIBRARY``. With
+``EPX_TEST_INSTALLED=1`` they import the installed package instead (``pip install .``), which
+loads the libepx inside it: that is how an install is verified.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+if os.environ.get("EPX_TEST_INSTALLED") != "1":
+    sys.path.insert(0, str(ROOT / "python"))
+
+import epx  # noqa: E402
+
+if os.environ.get("EPX_TEST_INSTALLED") == "1":
+    # Make sure the installed copy (and its own libepx) is what runs.
+    assert Path(epx.__file__).resolve().parent != (ROOT / "python" / "epx"), epx.__file__
+
+
+def pytest_report_header(config):
+    try:
+        lib = epx.library_path()
+    except Exception as e:  # pragma: no cover
+        lib = f"NOT FOUND ({e})"
+    return [f"epx package: {Path(epx.__file__).parent}", f"libepx: {lib}",
+            f"cuda backend: {epx.backend_available('cuda') if not lib.startswith('NOT') else '?'}"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the CUDA backend (skipped otherwise)")
+    config.addinivalue_line("markers", "torch: needs PyTorch (skipped without it)")
+
+
+@pytest.fixture
+def world4():
+    with epx.World(4, backend="host") as w:
+        yield w
+
+
+@pytest.fixture
+def world2():
+    with epx.World(2, backend="host") as w:
+        yield w
