@@ -112,17 +112,7 @@ float tu_value(tu_rng_t *g) {
 float tu_weight(tu_rng_t *g) { return 0.01f + 0.99f * (float)tu_unit(g); }
 
 /* ---- elements ----------------------------------------------------------------------- */
-static size_t elem_size(epx_dtype_t t) {
-  switch (t) {
-    case EPX_FLOAT32: return 4;
-    case EPX_BFLOAT16: return 2;
-    case EPX_FP8_E4M3: return 1;
-    case EPX_INT32: return 4;
-    case EPX_INT64: return 8;
-    case EPX_BOOL: return 1;
-  }
-  return 1;
-}
+static size_t elem_size(epx_dtype_t t) { return epx_dtype_size(t); }
 
 const char *tu_dtype(epx_dtype_t t) {
   switch (t) {
