@@ -44,7 +44,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   run bench-ds3-token       $b --tokens 4096 --iters 10 --check
   run bench-ds3-expert      $b --tokens 4096 --iters 10 --layout expert --align 128 --check
   run bench-ds3-fp8         $b --tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128 --check
-  run bench-prefill32k      $b --tokens 32768 --iters 5
+  run bench-ds3-a2a         $b --tokens 4096 --iters 10 --layout expert --align 128 --mode a2a --check
+  run bench-prefill32k      $b --tokens 32768 --iters 5 --layout expert --align 128
+  run bench-prefill32k-a2a  $b --tokens 32768 --iters 5 --layout expert --align 128 --mode a2a
   run bench-ll128           $b --tokens 128 --iters 50 --mode ll --check
   run bench-ll128-fp8       $b --tokens 128 --iters 50 --mode ll --dtype fp8 --check
 fi
@@ -53,6 +55,19 @@ echo
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
 grep -h '^{' "$logs"/bench-*.log 2>/dev/null > "$out/bench.jsonl" || true
+# fused path against the all-to-all baseline, same shape (dispatch + combine)
+python3 - "$out/bench.jsonl" <<'PY' || true
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+key = lambda r: (r["tokens"], r["layout"], r["recv_dtype"])
+for r in runs:
+    if r["mode"] != "ht": continue
+    for b in runs:
+        if b["mode"] == "a2a" and key(b) == key(r):
+            f, a = r["dispatch_ms"] + r["combine_ms"], b["dispatch_ms"] + b["combine_ms"]
+            print(f"speedup over all-to-all, {r['tokens']} tokens/rank, {r['layout']} layout: {a / f:.2f}x "
+                  f"({f:.3f} ms fused vs {a:.3f} ms baseline, dispatch + combine)")
+PY
 for f in "$logs"/bench-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"

@@ -21,7 +21,7 @@
 typedef struct {
   epx_backend_t backend;
   int ranks, tokens, hidden, experts, topk, align, iters, warmup, check, json;
-  int ll, expert_layout, num_sms;
+  int ll, a2a, expert_layout, num_sms;
   epx_dtype_t x_dtype, recv_dtype;
   uint64_t seed;
 } opts_t;
@@ -197,7 +197,7 @@ static epx_status_t run_rank(int rank, void *arg) {
   if (stream) TRY(b, rank, epx_comm_set_stream(comm, stream));
   epx_handle_config_t hc;
   epx_handle_config_init(&hc);
-  hc.algo = o->ll ? EPX_ALGO_LL : EPX_ALGO_HT;
+  hc.algo = o->ll ? EPX_ALGO_LL : o->a2a ? EPX_ALGO_ALLTOALL : EPX_ALGO_HT;
   hc.layout = o->expert_layout ? EPX_LAYOUT_EXPERT : EPX_LAYOUT_TOKEN;
   hc.align = o->align;
   hc.exact = 0; /* sizes come from the host's count; no sync inside the timed phases */
@@ -274,10 +274,11 @@ done:
 static void usage(void) {
   fprintf(stderr,
           "usage: epx-bench [--backend auto|host|cuda] [--ranks R] [--tokens T] [--hidden H] [--experts E]\n"
-          "                 [--topk K] [--dtype bf16|fp32|fp8] [--mode ht|ll] [--layout token|expert]\n"
+          "                 [--topk K] [--dtype bf16|fp32|fp8] [--mode ht|ll|a2a] [--layout token|expert]\n"
           "                 [--align A] [--iters N] [--warmup N] [--num-sms S] [--seed N] [--check] [--json]\n"
           "defaults: auto, 8 ranks, 512 tokens per rank, H 7168, 256 experts, top-8, bf16, ht, token layout\n"
-          "fp8 dispatches bf16 tokens as e4m3 with a scale per 128 channels; combine stays bf16.\n");
+          "fp8 dispatches bf16 tokens as e4m3 with a scale per 128 channels; combine stays bf16.\n"
+          "a2a is the permute -> all-to-all -> sort baseline on the same API.\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -317,8 +318,9 @@ static int parse(int argc, char **argv, opts_t *o) {
     }
     if (!strcmp(a, "--mode") && v) {
       i++;
-      if (!strcmp(v, "ht")) o->ll = 0;
-      else if (!strcmp(v, "ll")) o->ll = 1;
+      if (!strcmp(v, "ht")) o->ll = o->a2a = 0;
+      else if (!strcmp(v, "ll")) o->ll = 1, o->a2a = 0;
+      else if (!strcmp(v, "a2a")) o->ll = 0, o->a2a = 1;
       else return fprintf(stderr, "unknown mode %s\n", v), -1;
       continue;
     }
@@ -464,7 +466,7 @@ int main(int argc, char **argv) {
   if (epx_world_backend(b.world) == EPX_BACKEND_CUDA) b.dev = &bench_cuda_dev;
 #endif
   if (!o->num_sms) o->num_sms = 16;
-  const char *mode = o->ll ? "ll" : "ht", *layout = expert_rows(o) ? "expert" : "token";
+  const char *mode = o->ll ? "ll" : o->a2a ? "a2a" : "ht", *layout = expert_rows(o) ? "expert" : "token";
   printf("epx-bench: backend %s, %d ranks, %d tokens/rank, hidden %d, %d experts, top-%d, %s%s, mode %s, layout %s, "
          "align %d, %d SMs per rank, seed %" PRIu64 "\n",
          epx_backend_name(epx_world_backend(b.world)), o->ranks, o->tokens, o->hidden, o->experts, o->topk,

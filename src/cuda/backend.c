@@ -40,6 +40,11 @@ typedef struct {
   void *partials;          /* combine's per-token partials */
   size_t partial_bytes;
   int64_t recv_capacity;   /* last dispatch's, sizes the partials in sync-free mode */
+  int64_t num_tokens;        /* T of the last plan, as the host knows it */
+  epxc_a2a_t a2a;            /* all-to-all baseline buffers */
+  size_t a2a_send_bytes, a2a_stage_bytes;
+  void *a2a_back;            /* all-to-all combine: rows pulled back */
+  size_t a2a_back_bytes;
   plan_summary_t *summary;   /* exact mode's copy of the counts */
   int32_t *pairs_local_host; /* [L] */
   bool known;              /* summary holds this plan (exact mode) */
@@ -167,6 +172,7 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   cudaError_t pe = (cudaError_t)epxc_preload_exchange();
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_layout();
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ht();
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_a2a();
   if (pe != cudaSuccess) return cuda_fail(pe, "loading the kernels");
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
@@ -270,6 +276,8 @@ static epx_status_t cuda_handle_create(epx_handle_t *h) {
   CUDA_TRY(cudaMallocAsync((void **)&ch->host.block, sizeof(int64_t) * (L + 1), st), "handle buffers");
   CUDA_TRY(cudaMallocAsync((void **)&ch->host.pairs_local, sizeof(int32_t) * L, st), "handle buffers");
   CUDA_TRY(cudaMallocAsync((void **)&ch->host.counts, sizeof(int32_t) * (R + c->cfg.num_experts), st), "handle buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&ch->host.pair_send_base, sizeof(int64_t) * (c->cfg.num_experts + 1), st),
+           "handle buffers");
   CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), "handle buffers");
   return EPX_SUCCESS;
 }
@@ -281,7 +289,7 @@ static void cuda_handle_destroy(epx_handle_t *h) {
   cudaSetDevice(CC(h->comm)->device);
   void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.block, ch->host.pairs_local, ch->host.counts, ch->host.idx,
                   ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
-                  ch->partials};
+                  ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
     if (bufs[i]) cudaFreeAsync(bufs[i], st);
   free(ch->summary);
@@ -306,6 +314,49 @@ static epx_status_t grow(cudaStream_t st, void **p, size_t bytes, const char *wh
   if (*p) CUDA_TRY(cudaFreeAsync(*p, st), "cudaFreeAsync");
   *p = NULL;
   CUDA_TRY(cudaMallocAsync(p, bytes ? bytes : 16, st), what);
+  return EPX_SUCCESS;
+}
+
+/* Grows a buffer kept with its size in bytes. */
+static epx_status_t ensure_bytes(cudaStream_t st, void **p, size_t *have, size_t need, const char *what) {
+  if (*p && need <= *have) return EPX_SUCCESS;
+  EPX_CHECK(grow(st, p, need, what));
+  *have = need;
+  return EPX_SUCCESS;
+}
+
+/* One allocation carved into consecutive 256-byte aligned pieces. */
+static size_t carve(char **base, size_t bytes) {
+  size_t at = (size_t)(uintptr_t)*base;
+  *base += (bytes + 255) / 256 * 256;
+  return at;
+}
+
+/* The all-to-all baseline's send and staging buffers, sized for this dispatch. */
+static epx_status_t ensure_a2a(epx_comm_t *c, cuda_handle_t *ch, const epx_dispatch_args_t *a, bool expert,
+                               cudaStream_t st) {
+  const int64_t H = c->cfg.hidden, blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  const size_t row = (size_t)H * epx_dtype_size(a->recv_dtype);
+  /* a row per (token, expert) at most, in either layout */
+  const int64_t send_rows = (ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk;
+  char *at = NULL;
+  carve(&at, row * send_rows), carve(&at, sizeof(float) * blocks * send_rows), carve(&at, sizeof(int32_t) * send_rows);
+  carve(&at, sizeof(float) * send_rows);
+  EPX_CHECK(ensure_bytes(st, &ch->a2a.send_x, &ch->a2a_send_bytes, (size_t)(uintptr_t)at, "all-to-all send buffer"));
+  char *base = ch->a2a.send_x;
+  carve(&base, row * send_rows);
+  ch->a2a.send_scales = (float *)carve(&base, sizeof(float) * blocks * send_rows);
+  ch->a2a.send_token = (int32_t *)carve(&base, sizeof(int32_t) * send_rows);
+  ch->a2a.send_weight = (float *)carve(&base, sizeof(float) * send_rows);
+  if (!expert) return EPX_SUCCESS;
+  const int64_t stage_rows = a->recv_capacity > 0 ? a->recv_capacity : 1;
+  at = NULL;
+  carve(&at, row * stage_rows), carve(&at, sizeof(float) * blocks * stage_rows), carve(&at, sizeof(float) * stage_rows);
+  EPX_CHECK(ensure_bytes(st, &ch->a2a.stage_x, &ch->a2a_stage_bytes, (size_t)(uintptr_t)at, "all-to-all staging buffer"));
+  base = ch->a2a.stage_x;
+  carve(&base, row * stage_rows);
+  ch->a2a.stage_scales = (float *)carve(&base, sizeof(float) * blocks * stage_rows);
+  ch->a2a.stage_weight = (float *)carve(&base, sizeof(float) * stage_rows);
   return EPX_SUCCESS;
 }
 
@@ -353,6 +404,7 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
   const bool ll = h->hc.algo == EPX_ALGO_LL;
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   ch->known = false;
+  ch->num_tokens = r->num_tokens;
   /* Low-latency buffers are sized once, for max_tokens_per_rank; a larger T is refused on
    * the device, by every rank. */
   const int64_t cap = ll ? c->cfg.max_tokens_per_rank : r->num_tokens;
@@ -419,9 +471,20 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
                        .recv_probs = a->recv_probs, .tokens_per_local_expert = a->tokens_per_local_expert,
                        .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
   ch->recv_capacity = s.ll ? (int64_t)c->nranks * c->cfg.max_tokens_per_rank : a->recv_capacity;
-  uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)a->x};
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "dispatch exchange");
-  LAUNCH_TRY(epxc_dispatch(&s, &cc->group, ch->dev, &d, st), "dispatch kernel");
+  if (h->hc.algo == EPX_ALGO_ALLTOALL) {
+    /* permute here, then every destination pulls whole chunks (and sorts them) */
+    EPX_CHECK(ensure_a2a(c, ch, a, s.expert_layout, st));
+    const epxc_a2a_t *b = &ch->a2a;
+    uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)b->send_x, (uint64_t)(uintptr_t)b->send_scales,
+                                       (uint64_t)(uintptr_t)b->send_token, (uint64_t)(uintptr_t)b->send_weight};
+    LAUNCH_TRY(epxc_a2a_permute(&s, &cc->group, ch->dev, b, &d, st), "all-to-all permute");
+    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "dispatch exchange");
+    LAUNCH_TRY(epxc_a2a_gather(&s, &cc->group, ch->dev, b, &d, st), "all-to-all gather");
+  } else {
+    uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)a->x};
+    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "dispatch exchange");
+    LAUNCH_TRY(epxc_dispatch(&s, &cc->group, ch->dev, &d, st), "dispatch kernel");
+  }
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, st), "dispatch closing exchange");
   if (ch->known && !s.ll && a->recv_capacity < ch->summary->num_rows)
     return epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld",
@@ -453,6 +516,14 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   }
   uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)rows, (uint64_t)(uintptr_t)a->row_weight_grad};
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, words, NULL, st), "combine exchange");
+  if (h->hc.algo == EPX_ALGO_ALLTOALL) {
+    /* the rows for this rank's tokens come back whole, then are summed from here */
+    const size_t back = (size_t)(ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk * c->cfg.hidden *
+                        epx_dtype_size(a->y_dtype);
+    EPX_CHECK(ensure_bytes(st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer"));
+    k.staged = ch->a2a_back;
+    LAUNCH_TRY(epxc_a2a_pull_back(&s, &cc->group, ch->dev, &k, st), "all-to-all pull back");
+  }
   LAUNCH_TRY(epxc_combine_reduce(&s, &cc->group, ch->dev, &k, st), "combine kernel");
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE_DONE, NULL, NULL, st), "combine closing exchange");
   return EPX_SUCCESS;

@@ -89,6 +89,8 @@ typedef struct epxc_plan {
   const struct epxc_plan *peer[EPX_MAX_RANKS];
   int64_t tok_base[EPX_MAX_RANKS];  /* first token row here of source s */
   int64_t dest_base[EPX_MAX_RANKS]; /* first token row of this rank's tokens on destination d */
+  int64_t send_base[EPX_MAX_RANKS]; /* all-to-all: first send-buffer row of this rank's tokens for d */
+  int64_t *pair_send_base; /* all-to-all: [E + 1] first send-buffer row of this rank's pairs of e */
   int64_t *pair_base;     /* [L, R]: first row of source s's pairs of local expert l */
   int64_t *block;         /* [L + 1]: first row of local expert l's block; block[L] = rows */
   int32_t *pairs_local;   /* [L] */
@@ -130,7 +132,20 @@ typedef struct {
   const float *row_weight_grad;
   float *topk_weight_grad;
   void *partials;   /* expert layout: [num_recv, H] in y_dtype, this rank's */
+  void *staged;     /* all-to-all: the rows pulled back, [sum of counts to each rank, H] */
 } epxc_combine_t;
+
+/* The all-to-all baseline's buffers: a send buffer on the source, rows grouped by destination
+ * (token layout) or by expert (expert layout), and a staging buffer on the destination. */
+typedef struct {
+  void *send_x;
+  float *send_scales;
+  int32_t *send_token;  /* token layout: the source token of each send row */
+  float *send_weight;   /* expert layout: the weight of each send row */
+  void *stage_x;        /* expert layout: chunks as they arrive, (source, expert, token) order */
+  float *stage_scales;
+  float *stage_weight;
+} epxc_a2a_t;
 
 /* ---- launchers (each returns cudaGetLastError() as an int) --------------------------- */
 
@@ -139,6 +154,7 @@ typedef struct {
 int epxc_preload_exchange(void);
 int epxc_preload_layout(void);
 int epxc_preload_ht(void);
+int epxc_preload_a2a(void);
 
 /* Publishes `words` to every peer's mailbox and waits for every peer's; the payloads land in
  * this rank's state->got. word[0] of every payload is a status (read from status_dev when
@@ -162,6 +178,14 @@ int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_
                   const epxc_dispatch_t *a, void *stream);
 int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                           const epxc_combine_t *a, void *stream);
+/* The all-to-all baseline: permute on the source, whole chunks pulled, sorted on the
+ * destination; combine pulls chunks back into `staged` and reduces from there. */
+int epxc_a2a_permute(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev, const epxc_a2a_t *b,
+                     const epxc_dispatch_t *a, void *stream);
+int epxc_a2a_gather(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev, const epxc_a2a_t *b,
+                    const epxc_dispatch_t *a, void *stream);
+int epxc_a2a_pull_back(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                       const epxc_combine_t *a, void *stream);
 int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                         const epxc_combine_t *a, void *stream);
 

@@ -6,21 +6,7 @@
  * token crosses the link once per rank). fp8 is quantised on the fly, per 128 channels.
  * Combine: each destination first reduces its rows of a token into one partial (expert
  * layout), then each source reads its tokens' rows back and sums them in rank order. */
-#include "cuda/common.cuh"
-
-#define UNROLL 4
-
-/* The state of the exchange that opened the current operation: got[s][i] is word i of s. */
-static __device__ __forceinline__ uint64_t got(const epxc_group_t *g, int s, int i) {
-  return g->state[g->rank]->got[s][i];
-}
-
-/* Nothing to do when this rank stopped, the plan was refused, or a rank failed the exchange
- * that opened this operation. */
-static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const epxc_plan_t *plan) {
-  return rank_stopped(g) || plan->group_status != EPX_SUCCESS ||
-         ((volatile epxc_state_t *)g->state[g->rank])->group_status != EPX_SUCCESS;
-}
+#include "cuda/rows.cuh"
 
 /* The slots of token t of `src` that land on rank `me`, sorted by local expert:
  * local[j], row[j], weight[j], slot[j] for j < return value. */
@@ -49,77 +35,6 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
 
 /* ---- dispatch --------------------------------------------------------------------------- */
 
-/* Copies a row unchanged to m destinations (the common case: same type, no scaling). */
-static __device__ void copy_row_raw(const void *src, void *const *dst, int m, int64_t bytes) {
-  const uint4 *in = (const uint4 *)src;
-  const int64_t n = bytes / 16;
-  const int lane = lane_id();
-  for (int64_t base = 0; base < n; base += 32 * UNROLL) {
-    uint4 v[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      int64_t i = base + u * 32 + lane;
-      if (i < n) v[u] = in[i];
-    }
-    for (int j = 0; j < m; j++)
-#pragma unroll
-      for (int u = 0; u < UNROLL; u++) {
-        int64_t i = base + u * 32 + lane;
-        if (i < n) ((uint4 *)dst[j])[i] = v[u];
-      }
-  }
-}
-
-/* Converts a row to m destinations, each scaled by its factor (1 leaves it as is), in the
- * receive type; fp8 rows get one scale per 128 channels. */
-static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dtype_t recv_dtype, int hidden,
-                                   void *const *dst, float *const *scales, const float *factor, int scaled, int m) {
-  const int lane = lane_id();
-  if (recv_dtype == EPX_FP8_E4M3) {
-    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. */
-    for (int64_t c0 = 0; c0 < hidden; c0 += 256) {
-      const int64_t c = c0 + 8 * lane;
-      const bool live = c < hidden;
-      float x[8];
-      if (live) load8(src, x_dtype, c, x);
-      for (int j = 0; j < m; j++) {
-        float v[8], amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-          v[i] = live ? (scaled ? __fmul_rn(factor[j], x[i]) : x[i]) : 0.0f;
-          amax = fmaxf(amax, fabsf(v[i]));
-        }
-#pragma unroll
-        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float a = fmaxf(amax, 1e-4f), sc = __fdiv_rn(448.0f, a);
-        if (live) {
-          uint32_t q[2] = {0, 0};
-#pragma unroll
-          for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
-          *(uint2 *)((uint8_t *)dst[j] + c) = make_uint2(q[0], q[1]);
-          if ((lane & 15) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, 448.0f);
-        }
-      }
-    }
-    return;
-  }
-  const int64_t vec_end = hidden / 8 * 8;
-  for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-    float x[8];
-    load8(src, x_dtype, c, x);
-    for (int j = 0; j < m; j++) {
-      float v[8];
-#pragma unroll
-      for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
-      store8(dst[j], recv_dtype, c, v);
-    }
-  }
-  for (int64_t c = vec_end + lane; c < hidden; c += 32) {
-    float x = load1(src, x_dtype, c);
-    for (int j = 0; j < m; j++) store1(dst[j], recv_dtype, c, scaled ? __fmul_rn(factor[j], x) : x);
-  }
-}
-
 static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shape_t s, epxc_group_t g,
                                                                       const epxc_plan_t *plan, epxc_dispatch_t a) {
   if (plan_void(&g, plan)) return;
@@ -127,27 +42,9 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shap
   const bool fp8 = a.recv_dtype == EPX_FP8_E4M3;
   const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const size_t recv_row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
-  if (!s.ll && a.recv_capacity < plan->num_rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) record_error(&g, EPX_ERR_OUTPUT_TOO_SMALL, EPXC_PH_DISPATCH, me, plan->num_rows);
-    return;
-  }
-  if (blockIdx.x == 0) {
-    for (int l = threadIdx.x; l < L; l += blockDim.x)
-      if (a.tokens_per_local_expert) a.tokens_per_local_expert[l] = plan->pairs_local[l];
-    if (threadIdx.x == 0 && a.num_recv_rows) *a.num_recv_rows = s.ll ? plan->num_pairs : plan->num_rows;
-  }
-  /* Padding rows of the expert layout: zero data, zero weight. */
-  if (s.expert_layout && !s.ll)
-    for (int l = 0; l < L; l++) {
-      const int64_t lo = plan->block[l] + plan->pairs_local[l], hi = plan->block[l + 1];
-      for (int64_t r = lo + warp_global(); r < hi; r += warp_count()) {
-        uint4 *p = (uint4 *)((char *)a.recv_x + r * recv_row_bytes);
-        for (int64_t i = lane; i < (int64_t)(recv_row_bytes / 16); i += 32) p[i] = make_uint4(0, 0, 0, 0);
-        if (fp8)
-          for (int b = lane; b < blocks; b += 32) a.recv_scales[r * blocks + b] = 0.0f;
-        if (lane == 0 && a.recv_probs) a.recv_probs[r] = 0.0f;
-      }
-    }
+  if (!output_fits(&s, &g, plan, &a)) return;
+  write_counts(&s, plan, &a);
+  zero_padding(&s, plan, &a);
 
   const bool raw = a.recv_dtype == a.x_dtype && !(a.scale_by_probs && s.expert_layout);
   for (int src_rank = 0; src_rank < R; src_rank++) {
@@ -249,7 +146,8 @@ extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *
 
 /* On the source: out[t] = round(sum over destinations d ascending of rows_d[row of t on d]),
  * where rows_d is d's y (token layout) or d's partials (expert layout), published as word 1
- * of the combine exchange; word 2 is d's row_weight_grad. */
+ * of the combine exchange (or this rank's staged copy of them, all-to-all); word 2 is d's
+ * row_weight_grad. */
 static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_t s, epxc_group_t g,
                                                                     const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan)) return;
@@ -261,8 +159,9 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_
     for (int d = 0; d < R; d++) {
       const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
       if (!bit_set(bits, t)) continue;
-      const int64_t r = plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
-      rows[m++] = row_at((const void *)got(&g, d, 1), a.y_dtype, r, H);
+      const int64_t rank = bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
+      rows[m++] = a.staged ? row_at(a.staged, a.y_dtype, plan->send_base[d] + rank, H)
+                           : row_at((const void *)got(&g, d, 1), a.y_dtype, plan->dest_base[d] + rank, H);
     }
     void *out = row_at_mut(a.out, a.out_dtype, t, H);
     const int64_t vec_end = H / 8 * 8;

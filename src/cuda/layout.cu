@@ -195,6 +195,10 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
     }
     plan->block[L] = s.ll ? (int64_t)L * R * s.max_tokens : row;
     for (int q = 0; q < R; q++) recv += plan->peer[q]->counts[me], sent += plan->counts[q];
+    int64_t send = 0, pairs_sent = 0;
+    for (int q = 0; q < R; q++) plan->send_base[q] = send, send += plan->counts[q];
+    for (int e = 0; e < s.num_experts; e++) plan->pair_send_base[e] = pairs_sent, pairs_sent += plan->counts[R + e];
+    plan->pair_send_base[s.num_experts] = pairs_sent;
     plan->num_recv = recv;
     plan->num_pairs = pairs;
     plan->num_rows = s.expert_layout ? plan->block[L] : recv;

@@ -22,6 +22,7 @@ typedef struct {
 #define EXP EPX_LAYOUT_EXPERT
 #define HT EPX_ALGO_HT
 #define LL EPX_ALGO_LL
+#define A2A EPX_ALGO_ALLTOALL
 
 /* Every value the issue lists appears: R {2,4,8}, H {2048,2880,4096,7168}, K {1,2,8},
  * E {8,64,256}, T {0,1,4095,4096}, both layouts, align {1,16,128}, bf16 and float32, fp8
@@ -45,6 +46,11 @@ static const row_t cases[] = {
     {4, 64, 8, 2048, 37, LL, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 0},
     {2, 8, 1, 4096, 0, LL, EXP, 1, F32, F32, TU_FORM_TOPK64, 0, 0},
     {8, 64, 1, 4096, 256, LL, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 1},
+    /* the all-to-all baseline: the same bits through permute, chunks and sort */
+    {8, 256, 8, 7168, 1024, A2A, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 1},
+    {8, 256, 8, 4096, 512, A2A, EXP, 128, BF, BF, TU_FORM_TOPK32, 0, 0},
+    {4, 64, 2, 2880, 333, A2A, EXP, 16, BF, FP8, TU_FORM_TOPK64, 1, 1},
+    {2, 8, 8, 2048, 100, A2A, TOK, 1, F32, F32, TU_FORM_MAP, 0, 0},
 };
 
 int main(void) {

@@ -1,0 +1,125 @@
+/* Row movers and checks shared by the dispatch/combine kernel families (ht.cu, a2a.cu). */
+#ifndef EPX_CUDA_ROWS_CUH
+#define EPX_CUDA_ROWS_CUH
+
+#include "cuda/common.cuh"
+
+#define UNROLL 4
+
+/* The state of the exchange that opened the current operation: got[s][i] is word i of s. */
+static __device__ __forceinline__ uint64_t got(const epxc_group_t *g, int s, int i) {
+  return g->state[g->rank]->got[s][i];
+}
+
+/* Nothing to do when this rank stopped, the plan was refused, or a rank failed the exchange
+ * that opened this operation. */
+static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const epxc_plan_t *plan) {
+  return rank_stopped(g) || plan->group_status != EPX_SUCCESS ||
+         ((volatile epxc_state_t *)g->state[g->rank])->group_status != EPX_SUCCESS;
+}
+
+/* Copies a row unchanged to m destinations (the common case: same type, no scaling). */
+static __device__ void copy_row_raw(const void *src, void *const *dst, int m, int64_t bytes) {
+  const uint4 *in = (const uint4 *)src;
+  const int64_t n = bytes / 16;
+  const int lane = lane_id();
+  for (int64_t base = 0; base < n; base += 32 * UNROLL) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      int64_t i = base + u * 32 + lane;
+      if (i < n) v[u] = in[i];
+    }
+    for (int j = 0; j < m; j++)
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        int64_t i = base + u * 32 + lane;
+        if (i < n) ((uint4 *)dst[j])[i] = v[u];
+      }
+  }
+}
+
+/* Converts a row to m destinations, each scaled by its factor (1 leaves it as is), in the
+ * receive type; fp8 rows get one scale per 128 channels. */
+static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dtype_t recv_dtype, int hidden,
+                                   void *const *dst, float *const *scales, const float *factor, int scaled, int m) {
+  const int lane = lane_id();
+  if (recv_dtype == EPX_FP8_E4M3) {
+    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. */
+    for (int64_t c0 = 0; c0 < hidden; c0 += 256) {
+      const int64_t c = c0 + 8 * lane;
+      const bool live = c < hidden;
+      float x[8];
+      if (live) load8(src, x_dtype, c, x);
+      for (int j = 0; j < m; j++) {
+        float v[8], amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          v[i] = live ? (scaled ? __fmul_rn(factor[j], x[i]) : x[i]) : 0.0f;
+          amax = fmaxf(amax, fabsf(v[i]));
+        }
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float a = fmaxf(amax, 1e-4f), sc = __fdiv_rn(448.0f, a);
+        if (live) {
+          uint32_t q[2] = {0, 0};
+#pragma unroll
+          for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
+          *(uint2 *)((uint8_t *)dst[j] + c) = make_uint2(q[0], q[1]);
+          if ((lane & 15) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, 448.0f);
+        }
+      }
+    }
+    return;
+  }
+  const int64_t vec_end = hidden / 8 * 8;
+  for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+    float x[8];
+    load8(src, x_dtype, c, x);
+    for (int j = 0; j < m; j++) {
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
+      store8(dst[j], recv_dtype, c, v);
+    }
+  }
+  for (int64_t c = vec_end + lane; c < hidden; c += 32) {
+    float x = load1(src, x_dtype, c);
+    for (int j = 0; j < m; j++) store1(dst[j], recv_dtype, c, scaled ? __fmul_rn(factor[j], x) : x);
+  }
+}
+
+/* The expert layout's padding rows: zero data, zero scales, zero weight. */
+static __device__ void zero_padding(const epxc_shape_t *s, const epxc_plan_t *plan, const epxc_dispatch_t *a) {
+  if (!s->expert_layout || s->ll) return;
+  const int lane = lane_id(), blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  const size_t row_bytes = (size_t)s->hidden * dtype_bytes(a->recv_dtype);
+  for (int l = 0; l < s->num_local; l++) {
+    const int64_t lo = plan->block[l] + plan->pairs_local[l], hi = plan->block[l + 1];
+    for (int64_t r = lo + warp_global(); r < hi; r += warp_count()) {
+      uint4 *p = (uint4 *)((char *)a->recv_x + r * row_bytes);
+      for (int64_t i = lane; i < (int64_t)(row_bytes / 16); i += 32) p[i] = make_uint4(0, 0, 0, 0);
+      if (a->recv_dtype == EPX_FP8_E4M3)
+        for (int b = lane; b < blocks; b += 32) a->recv_scales[r * blocks + b] = 0.0f;
+      if (lane == 0 && a->recv_probs) a->recv_probs[r] = 0.0f;
+    }
+  }
+}
+
+/* Counts and rows written, for the caller (block 0 of a dispatch writes them). */
+static __device__ void write_counts(const epxc_shape_t *s, const epxc_plan_t *plan, const epxc_dispatch_t *a) {
+  if (blockIdx.x != 0) return;
+  for (int l = threadIdx.x; l < s->num_local; l += blockDim.x)
+    if (a->tokens_per_local_expert) a->tokens_per_local_expert[l] = plan->pairs_local[l];
+  if (threadIdx.x == 0 && a->num_recv_rows) *a->num_recv_rows = s->ll ? plan->num_pairs : plan->num_rows;
+}
+
+/* Sync-free capacity: a receive buffer too small gets nothing, and the rank a status. */
+static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
+                                   const epxc_dispatch_t *a) {
+  if (s->ll || a->recv_capacity >= plan->num_rows) return true;
+  if (blockIdx.x == 0 && threadIdx.x == 0) record_error(g, EPX_ERR_OUTPUT_TOO_SMALL, EPXC_PH_DISPATCH, s->rank, plan->num_rows);
+  return false;
+}
+
+#endif
