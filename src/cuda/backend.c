@@ -21,6 +21,8 @@ typedef struct {
 typedef struct {
   int device;
   cudaStream_t own_stream;
+  cudaStream_t last_stream; /* where the previous operation went */
+  cudaEvent_t order;        /* orders an operation after the previous one when the stream changes */
   epxc_state_t *state;
   epxc_group_t group;
   epxc_shape_t shape;
@@ -45,9 +47,17 @@ typedef struct {
   size_t a2a_send_bytes, a2a_stage_bytes;
   void *a2a_back;            /* all-to-all combine: rows pulled back */
   size_t a2a_back_bytes;
+  /* low-latency: the device state, the host's copy of its pointers, and the routing that
+   * epx_notify recorded for the next dispatch (planning happens inside that dispatch) */
+  epxc_ll_t *ll_dev;
+  epxc_ll_t ll;
+  epxc_plan_t ll_plan[2];
+  epx_routing_t ll_route;
+  bool ll_route_pending, ll_dispatched;
   plan_summary_t *summary;   /* exact mode's copy of the counts */
   int32_t *pairs_local_host; /* [L] */
   bool known;              /* summary holds this plan (exact mode) */
+  bool captured;           /* a CUDA graph holds this handle's buffers: they may not move */
 } cuda_handle_t;
 
 static const char *const phase_names[EPXC_PH_COUNT] = {
@@ -56,6 +66,8 @@ static const char *const phase_names[EPXC_PH_COUNT] = {
     [EPXC_PH_COMBINE] = "combine",     [EPXC_PH_COMBINE_DONE] = "combine (closing)",
     [EPXC_PH_LL_DISPATCH] = "low-latency dispatch", [EPXC_PH_LL_COMBINE] = "low-latency combine",
 };
+
+static bool fatal_status(int s) { return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST; }
 
 static epx_status_t cuda_fail(cudaError_t e, const char *what) {
   return epxi_fail(EPX_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
@@ -87,13 +99,22 @@ epx_status_t epxi_cuda_available(void) {
 }
 
 static cuda_comm_t *CC(const epx_comm_t *c) { return (cuda_comm_t *)c->impl; }
-/* The comm's own stream is made on first use only: every stream made takes a hardware queue,
- * and ranks whose streams share one can deadlock (see epxi_cuda_available). */
+static cuda_handle_t *ch_of(const epx_handle_t *h) { return (cuda_handle_t *)h->impl; }
 static cudaStream_t stream_of(const epx_comm_t *c) {
+  return c->stream ? (cudaStream_t)c->stream : CC(c)->own_stream;
+}
+
+/* The stream of an operation, ordered after the previous operation of this comm even when
+ * the caller moved the comm to another stream in between. */
+static cudaStream_t op_stream(const epx_comm_t *c) {
   cuda_comm_t *cc = CC(c);
-  if (c->stream) return (cudaStream_t)c->stream;
-  if (!cc->own_stream) cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
-  return cc->own_stream;
+  cudaStream_t st = stream_of(c);
+  if (cc->last_stream && cc->last_stream != st) {
+    cudaEventRecord(cc->order, cc->last_stream);
+    cudaStreamWaitEvent(st, cc->order, 0);
+  }
+  cc->last_stream = st;
+  return st;
 }
 
 /* ---- world ------------------------------------------------------------------------------ */
@@ -173,20 +194,20 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_layout();
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ht();
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_a2a();
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ll();
   if (pe != cudaSuccess) return cuda_fail(pe, "loading the kernels");
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;
   /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
    * kernels waiting that a device-wide sync would stall. */
-  cudaStream_t init;
-  cudaError_t e = cudaStreamCreateWithFlags(&init, cudaStreamNonBlocking);
-  if (e == cudaSuccess) e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), init);
-  if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), init);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(init);
-  cudaStreamDestroy(init);
+  /* one stream per rank: each stream made takes a hardware queue (see epxi_cuda_available) */
+  cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&cc->order, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), cc->own_stream);
+  if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
   if (e != cudaSuccess) {
-    if (cc->state) cudaFree(cc->state);
     free(cc);
     return cuda_fail(e, "comm state");
   }
@@ -194,8 +215,7 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   void *states[EPX_MAX_RANKS];
   epx_status_t s = epxi_group_allgather(w->group, c->rank, "comm_init:cuda", c->cfg.timeout_ms, &cc->state,
                                         sizeof(void *), states);
-  if (s != EPX_SUCCESS) {
-    cudaFree(cc->state);
+  if (s != EPX_SUCCESS) { /* a peer may have the state already: keep it (a few KB) */
     free(cc);
     return s;
   }
@@ -211,14 +231,22 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   return EPX_SUCCESS;
 }
 
+/* After a healthy run every post to this rank was consumed by one of its own exchanges, so
+ * its state can go. After a failure a late peer may still post to it: then it is kept (a few
+ * KB), so no new comm gets that memory. */
 static void cuda_comm_destroy(epx_comm_t *c) {
   cuda_comm_t *cc = CC(c);
   if (!cc) return;
   cudaSetDevice(cc->device);
   cudaStream_t st = stream_of(c);
-  cudaFreeAsync(cc->state, st);
   cudaStreamSynchronize(st);
-  if (cc->own_stream) cudaStreamDestroy(cc->own_stream);
+  const int status = ((volatile epxc_error_t *)((cuda_world_t *)c->world->impl)->errors_host)[c->rank].status;
+  if (!c->broken && !fatal_status(status)) {
+    cudaFreeAsync(cc->state, st);
+    cudaStreamSynchronize(st);
+  }
+  cudaEventDestroy(cc->order);
+  cudaStreamDestroy(cc->own_stream);
   free(cc);
 }
 
@@ -228,7 +256,7 @@ static epx_status_t report(epx_comm_t *c, bool all) {
   volatile epxc_error_t *e = &cw->errors_host[c->rank];
   int status = e->status;
   if (!status) return EPX_SUCCESS;
-  bool fatal = status == EPX_ERR_TIMEOUT || status == EPX_ERR_BROKEN || status == EPX_ERR_PEER_LOST;
+  bool fatal = fatal_status(status);
   if (!fatal && !all) return EPX_SUCCESS;
   const int phase = e->phase, peer = e->peer;
   const long long detail = (long long)e->detail;
@@ -259,6 +287,50 @@ static epx_status_t cuda_synchronize(epx_comm_t *c) {
 
 /* ---- handles ------------------------------------------------------------------------------ */
 
+/* Device arrays of one plan, for `cap` tokens; the struct itself is uploaded by the caller. */
+static epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st) {
+  const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts, L = c->num_local_experts;
+  p->words = W;
+  CUDA_TRY(cudaMallocAsync((void **)&p->idx, sizeof(int32_t) * cap * K + 16, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->weight, sizeof(float) * cap * K + 16, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->rank_bits, sizeof(uint32_t) * R * W + 16, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->rank_pre, sizeof(int32_t) * R * W + 16, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->exp_bits, sizeof(uint32_t) * E * W + 16, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->exp_pre, sizeof(int32_t) * E * W + 16, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->counts, sizeof(int32_t) * (R + E), st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->pair_base, sizeof(int64_t) * L * R, st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->block, sizeof(int64_t) * (L + 1), st), "plan buffers");
+  CUDA_TRY(cudaMallocAsync((void **)&p->pairs_local, sizeof(int32_t) * L, st), "plan buffers");
+  return EPX_SUCCESS;
+}
+
+static void plan_arrays_free(epxc_plan_t *p, cudaStream_t st) {
+  void *bufs[] = {p->idx, p->weight, p->rank_bits, p->rank_pre, p->exp_bits, p->exp_pre, p->counts,
+                  p->pair_base, p->block, p->pairs_local};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+    if (bufs[i]) cudaFreeAsync(bufs[i], st);
+}
+
+/* Low-latency handles have every buffer at its final size from the start: two plans for
+ * max_tokens_per_rank tokens, staging and partials for any element type. */
+static epx_status_t ll_create(const epx_comm_t *c, cuda_handle_t *ch, cudaStream_t st) {
+  const int64_t T = c->cfg.max_tokens_per_rank > 0 ? c->cfg.max_tokens_per_rank : 1, H = c->cfg.hidden;
+  const int64_t blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  for (int i = 0; i < 2; i++) {
+    EPX_CHECK(plan_arrays(c, &ch->ll_plan[i], T, st));
+    CUDA_TRY(cudaMallocAsync((void **)&ch->ll.plan[i], sizeof(epxc_plan_t), st), "low-latency buffers");
+    CUDA_TRY(cudaMemcpyAsync(ch->ll.plan[i], &ch->ll_plan[i], sizeof(epxc_plan_t), cudaMemcpyHostToDevice, st),
+             "low-latency buffers");
+    CUDA_TRY(cudaMallocAsync(&ch->ll.stage[i], sizeof(float) * T * H, st), "low-latency buffers");
+    CUDA_TRY(cudaMallocAsync((void **)&ch->ll.stage_scales[i], sizeof(float) * T * blocks, st), "low-latency buffers");
+    CUDA_TRY(cudaMallocAsync(&ch->ll.partials[i], sizeof(float) * c->nranks * T * H, st), "low-latency buffers");
+  }
+  CUDA_TRY(cudaMallocAsync((void **)&ch->ll_dev, sizeof(epxc_ll_t), st), "low-latency buffers");
+  CUDA_TRY(cudaMemcpyAsync(ch->ll_dev, &ch->ll, sizeof(epxc_ll_t), cudaMemcpyHostToDevice, st), "low-latency buffers");
+  CUDA_TRY(cudaStreamSynchronize(st), "low-latency buffers"); /* the uploads read ch's memory */
+  return EPX_SUCCESS;
+}
+
 /* Handles are made while peers may already wait on this rank in an exchange: nothing here may
  * synchronise the device, so every allocation is stream-ordered on the comm's stream. */
 static epx_status_t cuda_handle_create(epx_handle_t *h) {
@@ -279,6 +351,7 @@ static epx_status_t cuda_handle_create(epx_handle_t *h) {
   CUDA_TRY(cudaMallocAsync((void **)&ch->host.pair_send_base, sizeof(int64_t) * (c->cfg.num_experts + 1), st),
            "handle buffers");
   CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), "handle buffers");
+  if (h->hc.algo == EPX_ALGO_LL) EPX_CHECK(ll_create(c, ch, st));
   return EPX_SUCCESS;
 }
 
@@ -292,6 +365,13 @@ static void cuda_handle_destroy(epx_handle_t *h) {
                   ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
     if (bufs[i]) cudaFreeAsync(bufs[i], st);
+  for (int i = 0; i < 2; i++) {
+    plan_arrays_free(&ch->ll_plan[i], st);
+    void *ll_bufs[] = {ch->ll.plan[i], ch->ll.stage[i], ch->ll.stage_scales[i], ch->ll.partials[i]};
+    for (size_t j = 0; j < 4; j++)
+      if (ll_bufs[j]) cudaFreeAsync(ll_bufs[j], st);
+  }
+  if (ch->ll_dev) cudaFreeAsync(ch->ll_dev, st);
   free(ch->summary);
   free(ch->pairs_local_host);
   free(ch);
@@ -304,9 +384,11 @@ static bool capturing(cudaStream_t st) {
 }
 
 /* (Re)allocates a stream-ordered buffer to hold `bytes`. Refused while the stream is being
- * captured: graphs must see buffers that already fit. */
+ * captured, and for a handle a captured graph uses (grow_frozen, set by the caller): the
+ * graph holds the old addresses. */
+static _Thread_local bool grow_frozen;
 static epx_status_t grow(cudaStream_t st, void **p, size_t bytes, const char *what) {
-  if (capturing(st))
+  if (capturing(st) || grow_frozen)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
                      "%s must grow to %zu bytes inside a CUDA graph capture; run the largest shape once before "
                      "capturing",
@@ -392,7 +474,7 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
   LAUNCH_TRY(epxc_layout(&CC(c)->shape, r->num_tokens, r->topk_idx, r->idx_dtype, r->topk_idx ? NULL : r->routing_map,
-                         tokens_per_rank, tokens_per_expert, is_token_in_rank, stream_of(c)),
+                         tokens_per_rank, tokens_per_expert, is_token_in_rank, op_stream(c)),
              "layout kernel");
   return EPX_SUCCESS;
 }
@@ -400,11 +482,18 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
 static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st = stream_of(c);
+  cudaStream_t st = op_stream(c);
   const bool ll = h->hc.algo == EPX_ALGO_LL;
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   ch->known = false;
   ch->num_tokens = r->num_tokens;
+  ch->captured |= capturing(st);
+  grow_frozen = ch->captured;
+  if (ll) { /* planned inside the dispatch that follows, in the same launch */
+    ch->ll_route = *r;
+    ch->ll_route_pending = true;
+    return EPX_SUCCESS;
+  }
   /* Low-latency buffers are sized once, for max_tokens_per_rank; a larger T is refused on
    * the device, by every rank. */
   const int64_t cap = ll ? c->cfg.max_tokens_per_rank : r->num_tokens;
@@ -430,14 +519,22 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
            "counts");
   CUDA_TRY(cudaStreamSynchronize(st), "cudaStreamSynchronize (notify)");
   sum->num_tokens = r->num_tokens;
-  if (sum->status) { /* this rank's own routing: name the token */
-    report(c, true);
-    const uint64_t key = sum->bad_key;
-    return epxi_fail((epx_status_t)sum->status, "rank %d: token %llu slot %u: %s", c->rank,
-                     (unsigned long long)(key >> 16), (unsigned)((key >> 8) & 0xff),
-                     epx_status_string((epx_status_t)sum->status));
+  /* Every rank decides from the statuses the exchange agreed on; a recoverable record left
+   * from an earlier call must not make this one fail on one rank only. */
+  EPX_CHECK(report(c, false));
+  if (sum->group_status) {
+    volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
+    const int who = e->peer;
+    if (!fatal_status(e->status)) e->status = 0;
+    if (sum->status) { /* this rank's own routing: name the token */
+      const uint64_t key = sum->bad_key;
+      return epxi_fail((epx_status_t)sum->status, "rank %d: token %llu slot %u: %s", c->rank,
+                       (unsigned long long)(key >> 16), (unsigned)((key >> 8) & 0xff),
+                       epx_status_string((epx_status_t)sum->status));
+    }
+    return epxi_fail((epx_status_t)sum->group_status, "rank %d: notify: rank %d's routing was refused (%s)", c->rank,
+                     who, epx_status_string((epx_status_t)sum->group_status));
   }
-  EPX_CHECK(report(c, true));
   ch->known = true;
   return EPX_SUCCESS;
 }
@@ -459,10 +556,12 @@ static epx_status_t cuda_handle_info(const epx_handle_t *h, epx_handle_info_t *i
 
 /* ---- dispatch and combine ------------------------------------------------------------------ */
 
+static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status);
+
 static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st = stream_of(c);
+  cudaStream_t st = op_stream(c);
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   epxc_shape_t s = shape_of(c, h);
   epxc_dispatch_t d = {.x = a->x, .x_dtype = a->x_dtype, .recv_dtype = a->recv_dtype, .recv_x = a->recv_x,
@@ -470,7 +569,30 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
                        .recv_topk_idx = a->recv_topk_idx, .recv_topk_weights = a->recv_topk_weights,
                        .recv_probs = a->recv_probs, .tokens_per_local_expert = a->tokens_per_local_expert,
                        .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
+  d.report_capacity = !ch->known;
+  ch->captured |= capturing(st);
+  grow_frozen = ch->captured;
+  if (!a->x && ch->num_tokens > 0)
+    return cuda_abort(c, h, EPXI_OP_DISPATCH,
+                      epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", c->rank,
+                                (long long)ch->num_tokens));
   ch->recv_capacity = s.ll ? (int64_t)c->nranks * c->cfg.max_tokens_per_rank : a->recv_capacity;
+  if (s.ll) {
+    /* the recorded routing, or (a replay) the last plan's own copy of it */
+    const epx_routing_t *rt = &ch->ll_route;
+    epxc_route_t route = {.num_tokens = ch->num_tokens};
+    if (ch->ll_route_pending) {
+      route.topk_idx = rt->topk_idx;
+      route.idx_dtype = rt->idx_dtype;
+      route.topk_weights = rt->topk_idx ? rt->topk_weights : NULL;
+      route.routing_map = rt->topk_idx ? NULL : rt->routing_map;
+      route.probs = rt->topk_idx ? NULL : rt->probs;
+    }
+    ch->ll_route_pending = false;
+    ch->ll_dispatched = true;
+    LAUNCH_TRY(epxc_ll_dispatch(&s, &cc->group, ch->ll_dev, &route, &d, st), "low-latency dispatch");
+    return EPX_SUCCESS;
+  }
   if (h->hc.algo == EPX_ALGO_ALLTOALL) {
     /* permute here, then every destination pulls whole chunks (and sorts them) */
     EPX_CHECK(ensure_a2a(c, ch, a, s.expert_layout, st));
@@ -495,12 +617,24 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
 static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine_args_t *a) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st = stream_of(c);
+  cudaStream_t st = op_stream(c);
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   epxc_shape_t s = shape_of(c, h);
   epxc_combine_t k = {.y = a->y, .y_dtype = a->y_dtype, .out = a->out, .out_dtype = a->out_dtype,
                       .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
                       .topk_weight_grad = a->topk_weight_grad};
+  ch->captured |= capturing(st);
+  grow_frozen = ch->captured;
+  if ((!a->out && ch->num_tokens > 0) || !a->y)
+    return cuda_abort(c, h, EPXI_OP_COMBINE,
+                      epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: %s is NULL", c->rank, a->y ? "out" : "y"));
+  if (s.ll) {
+    if (!ch->ll_dispatched)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "low-latency combine on rank %d: no dispatch on this handle to invert",
+                       c->rank);
+    LAUNCH_TRY(epxc_ll_combine(&s, &cc->group, ch->ll_dev, &k, st), "low-latency combine");
+    return EPX_SUCCESS;
+  }
   const void *rows = a->y;
   if (s.expert_layout) {
     /* One partial per arrived token: at most the rows dispatch could write. */
@@ -511,11 +645,13 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
       ch->partial_bytes = bytes;
     }
     k.partials = ch->partials;
+    k.partial_rows = (int64_t)(ch->partial_bytes / ((size_t)c->cfg.hidden * epx_dtype_size(a->y_dtype)));
     rows = ch->partials;
     LAUNCH_TRY(epxc_combine_partials(&s, &cc->group, ch->dev, &k, st), "combine partials");
   }
   uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)rows, (uint64_t)(uintptr_t)a->row_weight_grad};
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, words, NULL, st), "combine exchange");
+  /* a rank whose dispatch wrote nothing makes every rank skip this combine */
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, words, &ch->dev->refused, st), "combine exchange");
   if (h->hc.algo == EPX_ALGO_ALLTOALL) {
     /* the rows for this rank's tokens come back whole, then are summed from here */
     const size_t back = (size_t)(ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk * c->cfg.hidden *
@@ -529,27 +665,41 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   return EPX_SUCCESS;
 }
 
+/* The caller returns this rank's failure with its own message: drop the device's record of
+ * the same thing (the exchange recorded it as "rank r failed"), and nothing else. */
+static void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st) {
+  cudaStreamSynchronize(st);
+  volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
+  if (e->status == (int32_t)status && e->peer == c->rank) e->status = 0;
+}
+
 /* The peers' operations are exchange-framed: post this rank's status in the opening exchange
  * (the peers then skip their work) and join the closing one. A sync-free notify + dispatch
  * is two operations to the peers; an exact notify already stops them after the first. */
 static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status) {
   cuda_comm_t *cc = CC(c);
-  cudaStream_t st = stream_of(c);
+  cudaStream_t st = op_stream(c);
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
                                   [EPXI_OP_DISPATCH] = {EPXC_PH_DISPATCH, EPXC_PH_DISPATCH_DONE},
                                   [EPXI_OP_NOTIFY_DISPATCH] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
                                   [EPXI_OP_COMBINE] = {EPXC_PH_COMBINE, EPXC_PH_COMBINE_DONE}};
   uint64_t words[EPXC_SLOT_WORDS] = {(uint64_t)(uint32_t)status};
+  if (h->hc.algo == EPX_ALGO_LL) { /* one exchange per operation, none in notify */
+    if (op != EPXI_OP_NOTIFY)
+      LAUNCH_TRY(epxc_exchange(&cc->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, words, NULL, st),
+                 "exchange");
+    if (op != EPXI_OP_COMBINE) ch_of(h)->ll_dispatched = false;
+    forget_own_report(c, status, st);
+    return status;
+  }
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], words, NULL, st), "exchange");
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, st), "exchange");
   if (op == EPXI_OP_NOTIFY_DISPATCH && !(h->hc.exact && h->hc.algo != EPX_ALGO_LL)) {
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "exchange");
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, st), "exchange");
   }
-  /* this rank's own report is the caller's message, not the device's copy of it */
-  cudaStreamSynchronize(st);
-  ((cuda_world_t *)c->world->impl)->errors_host[c->rank].status = 0;
+  forget_own_report(c, status, st);
   return status;
 }
 

@@ -32,26 +32,41 @@ static __device__ __forceinline__ uint64_t globaltimer_ns(void) {
   return t;
 }
 
-/* Records this rank's first failure where the host and every peer can see it. */
+/* Statuses after which a rank does nothing more (the others are recoverable: a refused
+ * routing, an output too small). */
+static __device__ __forceinline__ bool fatal_status(int s) {
+  return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST;
+}
+
+/* Records this rank's failure where the host and every peer can see it: the first one, or a
+ * fatal one over a recoverable one. */
 static __device__ void record_error(const epxc_group_t *g, int status, int phase, int peer, int64_t detail) {
   epxc_error_t *e = &g->errors[g->rank];
-  if (atomicCAS(&e->status, 0, status) == 0) {
-    e->phase = phase;
-    e->peer = peer;
-    e->detail = detail;
-    __threadfence_system();
+  int old = *(volatile int32_t *)&e->status;
+  while (old == 0 || (fatal_status(status) && !fatal_status(old))) {
+    const int seen = atomicCAS(&e->status, old, status);
+    if (seen == old) {
+      e->phase = phase;
+      e->peer = peer;
+      e->detail = detail;
+      __threadfence_system();
+      return;
+    }
+    old = seen;
   }
 }
 
-/* Waits until *flag >= epoch. Gives up when the deadline passes or the peer has failed. */
+/* Waits until *flag >= epoch. Gives up when the deadline passes or the peer stopped for good
+ * (a recoverable failure on its side leaves it in the protocol). */
 static __device__ bool wait_flag(const epxc_group_t *g, const uint64_t *flag, uint64_t epoch, int peer, int phase) {
   uint64_t start = globaltimer_ns();
   volatile epxc_error_t *peer_err = &g->errors[peer];
   for (uint32_t spin = 0;; spin++) {
     if (ld_acquire(flag) >= epoch) return true;
     if ((spin & 63) == 63) {
-      if (peer_err->status != 0) {
-        record_error(g, EPX_ERR_BROKEN, phase, peer, peer_err->status);
+      const int ps = peer_err->status;
+      if (fatal_status(ps)) {
+        record_error(g, EPX_ERR_BROKEN, phase, peer, ps);
         return false;
       }
       if (globaltimer_ns() - start > g->timeout_ns) {
@@ -159,5 +174,45 @@ static __device__ __forceinline__ int64_t warp_global(void) {
   return (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
 }
 static __device__ __forceinline__ int64_t warp_count(void) { return (int64_t)gridDim.x * (blockDim.x / 32); }
+
+/* ---- routing ----------------------------------------------------------------------------- */
+
+/* Reads token t's routing into ids/ws (K slots, -1 / 0 padded). Returns a status: a bad id, a
+ * repeated expert, or a map row with more than K experts. *bad_slot names the slot. */
+static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx, epx_dtype_t idx_dtype,
+                                 const float *topk_weights, const uint8_t *map, const float *probs, int32_t *ids,
+                                 float *ws, int *bad_slot) {
+  const int K = s->topk, E = s->num_experts;
+  if (map) {
+    int k = 0;
+    for (int e = 0; e < E; e++) {
+      if (!map[t * E + e]) continue;
+      if (k == K) {
+        *bad_slot = K;
+        return EPX_ERR_TOPK_RANGE;
+      }
+      ids[k] = e;
+      ws[k] = probs ? probs[t * E + e] : 1.0f;
+      k++;
+    }
+    for (; k < K; k++) ids[k] = -1, ws[k] = 0.0f;
+    return EPX_SUCCESS;
+  }
+  for (int k = 0; k < K; k++) {
+    int64_t e = idx_dtype == EPX_INT64 ? ((const int64_t *)topk_idx)[t * K + k] : ((const int32_t *)topk_idx)[t * K + k];
+    if (e < -1 || e >= E) {
+      *bad_slot = k;
+      return EPX_ERR_EXPERT_OUT_OF_RANGE;
+    }
+    ids[k] = (int32_t)e;
+    ws[k] = e < 0 ? 0.0f : topk_weights ? topk_weights[t * K + k] : 1.0f;
+    for (int j = 0; j < k; j++)
+      if (e >= 0 && ids[j] == e) {
+        *bad_slot = k;
+        return EPX_ERR_INVALID_ARGUMENT;
+      }
+  }
+  return EPX_SUCCESS;
+}
 
 #endif

@@ -19,7 +19,8 @@
 extern "C" {
 #endif
 
-#define EPXC_SLOT_WORDS 7
+#define EPXC_SLOT_WORDS 7 /* the last one is the phase tag: 6 words of payload */
+#define EPXC_PHASE_TAG 0x6570780000000000ull
 
 /* One mailbox: `flag` is the exchange's epoch once `word` is valid. */
 typedef struct {
@@ -32,6 +33,10 @@ typedef struct {
   epxc_slot_t post[2][EPX_MAX_RANKS];            /* [exchange parity][source rank] */
   uint64_t got[EPX_MAX_RANKS][EPXC_SLOT_WORDS];  /* last exchange's payloads, copied here */
   uint64_t seq;                                  /* exchanges this rank has entered */
+  /* low-latency kernels: blocks of one launch meet through these (see ll.cu) */
+  uint64_t ll_rounds;                            /* launches whose blocks have all arrived */
+  uint64_t ll_arrived;                           /* block arrivals, cumulative */
+  uint64_t ll_ready;                             /* round whose exchange block 0 has finished */
   int32_t aborted;                               /* a wait failed: every later kernel is a no-op */
   int32_t group_status;                          /* first failure a rank reported in the last exchange */
 } epxc_state_t;
@@ -78,6 +83,9 @@ typedef struct epxc_plan {
   int32_t status;         /* first problem in this rank's routing, EPX_SUCCESS if none */
   int32_t group_status;   /* first problem any rank reported: the plan is void unless 0 */
   uint64_t bad_key;       /* (token << 16 | slot << 8 | status) of the first bad token: atomicMin */
+  int32_t refused;        /* this rank's last dispatch wrote nothing (output too small): its
+                             combine posts this, so every rank skips that combine */
+  int32_t pad_;
   int32_t *idx;           /* [cap, K] normalised expert ids */
   float *weight;          /* [cap, K] weights, 0 on -1 slots */
   uint32_t *rank_bits;    /* [R, words] */
@@ -120,6 +128,7 @@ typedef struct {
   int32_t *tokens_per_local_expert;
   int64_t *num_recv_rows;
   int scale_by_probs;
+  int report_capacity; /* record an output too small on the device (sync-free mode) */
 } epxc_dispatch_t;
 
 typedef struct {
@@ -132,6 +141,7 @@ typedef struct {
   const float *row_weight_grad;
   float *topk_weight_grad;
   void *partials;   /* expert layout: [num_recv, H] in y_dtype, this rank's */
+  int64_t partial_rows; /* rows `partials` holds */
   void *staged;     /* all-to-all: the rows pulled back, [sum of counts to each rank, H] */
 } epxc_combine_t;
 
@@ -147,6 +157,28 @@ typedef struct {
   float *stage_weight;
 } epxc_a2a_t;
 
+/* The low-latency path's per-handle device state. Plans, staging and partial buffers come in
+ * pairs, chosen by the parity of device-side call counts, so back-to-back calls and graph
+ * replays never overwrite what a peer may still be reading. */
+typedef struct {
+  epxc_plan_t *plan[2];
+  void *stage[2];          /* [max_tokens, H]: this rank's tokens, in the receive type (or x's) */
+  float *stage_scales[2];  /* fp8: [max_tokens, blocks] */
+  void *partials[2];       /* [R * max_tokens, H]: combine partials, row (source, token) */
+  uint64_t dispatches, combines;
+} epxc_ll_t;
+
+/* Where a low-latency dispatch finds its routing: the caller's, or (NULL topk and map) the
+ * normalised copy of the last plan (a replay). */
+typedef struct {
+  int64_t num_tokens;
+  const void *topk_idx;
+  epx_dtype_t idx_dtype;
+  const float *topk_weights;
+  const uint8_t *routing_map;
+  const float *probs;
+} epxc_route_t;
+
 /* ---- launchers (each returns cudaGetLastError() as an int) --------------------------- */
 
 /* Loads every kernel of a family now. With lazy loading, a kernel's first launch may wait for
@@ -155,6 +187,14 @@ int epxc_preload_exchange(void);
 int epxc_preload_layout(void);
 int epxc_preload_ht(void);
 int epxc_preload_a2a(void);
+int epxc_preload_ll(void);
+
+/* Low-latency: one launch each. Dispatch plans (from `r`), stages this rank's tokens, meets the
+ * peers in one exchange and pulls; combine reduces partials, meets, and sums. */
+int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
+                     const epxc_dispatch_t *a, void *stream);
+int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
+                    void *stream);
 
 /* Publishes `words` to every peer's mailbox and waits for every peer's; the payloads land in
  * this rank's state->got. word[0] of every payload is a status (read from status_dev when

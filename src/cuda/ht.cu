@@ -8,31 +8,6 @@
  * layout), then each source reads its tokens' rows back and sums them in rank order. */
 #include "cuda/rows.cuh"
 
-/* The slots of token t of `src` that land on rank `me`, sorted by local expert:
- * local[j], row[j], weight[j], slot[j] for j < return value. */
-static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_plan_t *src,
-                                  int64_t t, int *local, int64_t *row, float *weight, int *slot) {
-  const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank;
-  const int64_t W = src->words;
-  int m = 0;
-  for (int k = 0; k < K; k++) {
-    int e = src->idx[t * K + k];
-    if (e < 0 || e / L != me) continue;
-    int l = e % L, j = m++;
-    for (; j > 0 && local[j - 1] > l; j--) {
-      local[j] = local[j - 1];
-      row[j] = row[j - 1];
-      weight[j] = weight[j - 1];
-      slot[j] = slot[j - 1];
-    }
-    local[j] = l;
-    row[j] = plan->pair_base[(int64_t)l * R + src_rank] + bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
-    weight[j] = src->weight[t * K + k];
-    slot[j] = k;
-  }
-  return m;
-}
-
 /* ---- dispatch --------------------------------------------------------------------------- */
 
 static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shape_t s, epxc_group_t g,
@@ -102,7 +77,14 @@ extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const
  * w * y[row]), one per arrived token. */
 static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shape_t s, epxc_group_t g,
                                                                       const epxc_plan_t *plan, epxc_combine_t a) {
-  if (plan_void(&g, plan)) return;
+  if (plan_void(&g, plan) || plan->refused) return;
+  if (plan->num_recv > a.partial_rows) { /* the dispatch this inverts never ran with these sizes */
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      ((epxc_plan_t *)plan)->refused = EPX_ERR_OUTPUT_TOO_SMALL;
+      record_error(&g, EPX_ERR_OUTPUT_TOO_SMALL, EPXC_PH_COMBINE, s.rank, plan->num_recv);
+    }
+    return;
+  }
   const int R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
   for (int src_rank = 0; src_rank < R; src_rank++) {
     const epxc_plan_t *src = plan->peer[src_rank];
@@ -191,8 +173,8 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_
           const epxc_plan_t *dp = plan->peer[d];
           const int64_t r = dp->pair_base[(int64_t)(e % L) * R + me] +
                             bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
-          gw = wg[r];
-        } else {
+          gw = wg ? wg[r] : 0.0f;
+        } else if (wg) {
           gw = wg[(plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + lane];
         }
       }

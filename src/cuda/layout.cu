@@ -2,44 +2,6 @@
  * and, once every rank's counts are known, where each row lands. */
 #include "cuda/common.cuh"
 
-/* Reads token t's routing into ids/ws (K slots, -1 / 0 padded). Returns a status: a bad id, a
- * repeated expert, or a map row with more than K experts. *bad_slot names the slot. */
-static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx, epx_dtype_t idx_dtype,
-                                 const float *topk_weights, const uint8_t *map, const float *probs, int32_t *ids,
-                                 float *ws, int *bad_slot) {
-  const int K = s->topk, E = s->num_experts;
-  if (map) {
-    int k = 0;
-    for (int e = 0; e < E; e++) {
-      if (!map[t * E + e]) continue;
-      if (k == K) {
-        *bad_slot = K;
-        return EPX_ERR_TOPK_RANGE;
-      }
-      ids[k] = e;
-      ws[k] = probs ? probs[t * E + e] : 1.0f;
-      k++;
-    }
-    for (; k < K; k++) ids[k] = -1, ws[k] = 0.0f;
-    return EPX_SUCCESS;
-  }
-  for (int k = 0; k < K; k++) {
-    int64_t e = idx_dtype == EPX_INT64 ? ((const int64_t *)topk_idx)[t * K + k] : ((const int32_t *)topk_idx)[t * K + k];
-    if (e < -1 || e >= E) {
-      *bad_slot = k;
-      return EPX_ERR_EXPERT_OUT_OF_RANGE;
-    }
-    ids[k] = (int32_t)e;
-    ws[k] = e < 0 ? 0.0f : topk_weights ? topk_weights[t * K + k] : 1.0f;
-    for (int j = 0; j < k; j++)
-      if (e >= 0 && ids[j] == e) {
-        *bad_slot = k;
-        return EPX_ERR_INVALID_ARGUMENT;
-      }
-  }
-  return EPX_SUCCESS;
-}
-
 static __global__ void layout_kernel(epxc_shape_t s, int64_t T, const void *topk_idx, epx_dtype_t idx_dtype,
                                      const uint8_t *map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
                                      uint8_t *is_token_in_rank) {
@@ -80,7 +42,8 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
                                     const uint8_t *map, const float *probs) {
   const int K = s.topk, R = s.nranks, L = s.num_local;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    plan->num_tokens = T;
+    plan->num_tokens = T > capacity ? 0 : T; /* too many: nothing of this rank is read */
+    plan->refused = EPX_SUCCESS;
     if (T > capacity) atomicMin((unsigned long long *)&plan->bad_key, (unsigned long long)EPX_ERR_LL_OVERFLOW);
   }
   if (T > capacity) return;

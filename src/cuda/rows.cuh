@@ -18,6 +18,31 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
          ((volatile epxc_state_t *)g->state[g->rank])->group_status != EPX_SUCCESS;
 }
 
+/* The slots of token t of `src` that land on rank `me`, sorted by local expert:
+ * local[j], row[j], weight[j], slot[j] for j < return value. */
+static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_plan_t *src,
+                                  int64_t t, int *local, int64_t *row, float *weight, int *slot) {
+  const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank;
+  const int64_t W = src->words;
+  int m = 0;
+  for (int k = 0; k < K; k++) {
+    int e = src->idx[t * K + k];
+    if (e < 0 || e / L != me) continue;
+    int l = e % L, j = m++;
+    for (; j > 0 && local[j - 1] > l; j--) {
+      local[j] = local[j - 1];
+      row[j] = row[j - 1];
+      weight[j] = weight[j - 1];
+      slot[j] = slot[j - 1];
+    }
+    local[j] = l;
+    row[j] = plan->pair_base[(int64_t)l * R + src_rank] + bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
+    weight[j] = src->weight[t * K + k];
+    slot[j] = k;
+  }
+  return m;
+}
+
 /* Copies a row unchanged to m destinations (the common case: same type, no scaling). */
 static __device__ void copy_row_raw(const void *src, void *const *dst, int m, int64_t bytes) {
   const uint4 *in = (const uint4 *)src;
@@ -114,12 +139,17 @@ static __device__ void write_counts(const epxc_shape_t *s, const epxc_plan_t *pl
   if (threadIdx.x == 0 && a->num_recv_rows) *a->num_recv_rows = s->ll ? plan->num_pairs : plan->num_rows;
 }
 
-/* Sync-free capacity: a receive buffer too small gets nothing, and the rank a status. */
+/* Sync-free capacity: a receive buffer too small gets nothing, the rank a status (unless the
+ * host, knowing the sizes, returned it already), and the plan is marked so the combine that
+ * would invert this dispatch is skipped by every rank. */
 static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
                                    const epxc_dispatch_t *a) {
-  if (s->ll || a->recv_capacity >= plan->num_rows) return true;
-  if (blockIdx.x == 0 && threadIdx.x == 0) record_error(g, EPX_ERR_OUTPUT_TOO_SMALL, EPXC_PH_DISPATCH, s->rank, plan->num_rows);
-  return false;
+  const bool fits = s->ll || a->recv_capacity >= plan->num_rows;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    ((epxc_plan_t *)plan)->refused = fits ? EPX_SUCCESS : EPX_ERR_OUTPUT_TOO_SMALL;
+    if (!fits && a->report_capacity) record_error(g, EPX_ERR_OUTPUT_TOO_SMALL, EPXC_PH_DISPATCH, s->rank, plan->num_rows);
+  }
+  return fits;
 }
 
 #endif

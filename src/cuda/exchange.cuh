@@ -1,0 +1,68 @@
+/* The exchange, as a block-level function: the one-block exchange kernel runs it, and the
+ * low-latency kernels run it from their first block. Thread r < nranks talks to rank r.
+ *
+ * Every rank posts its words to every peer's mailbox, then waits (bounded) for every peer's.
+ * Mailboxes are double-buffered by the parity of the exchange's epoch: a rank can be at most
+ * one exchange ahead of any peer (it cannot finish exchange e + 1 before every peer posted
+ * e + 1, which each does only after finishing e), so parity e & 1 is never overwritten while a
+ * slow peer still reads it. */
+#ifndef EPX_CUDA_EXCHANGE_CUH
+#define EPX_CUDA_EXCHANGE_CUH
+
+#include "cuda/common.cuh"
+
+typedef struct {
+  uint64_t w[EPXC_SLOT_WORDS];
+} epxc_words_t;
+
+/* Call from every thread of one block. Returns false when this rank must stop (it stopped
+ * earlier, or a wait failed); the peers' words are then in state->got, and group_status holds
+ * the first failure any rank reported in word 0. */
+static __device__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words) {
+  epxc_state_t *me = g->state[g->rank];
+  __shared__ uint64_t ex_epoch;
+  __shared__ int ex_stopped, ex_failed;
+  if (threadIdx.x == 0) {
+    ex_epoch = me->seq + 1;
+    me->seq = ex_epoch;
+    ex_stopped = me->aborted;
+    ex_failed = 0;
+  }
+  __syncthreads();
+  if (ex_stopped) return false;
+  const uint64_t epoch = ex_epoch;
+  const int p = (int)(epoch & 1), r = threadIdx.x;
+  if (r < g->nranks) {
+    /* the last word carries the phase: ranks that disagree on where they are fail loudly */
+    epxc_slot_t *slot = &g->state[r]->post[p][g->rank];
+    for (int i = 0; i < EPXC_SLOT_WORDS - 1; i++) slot->word[i] = words->w[i];
+    slot->word[EPXC_SLOT_WORDS - 1] = EPXC_PHASE_TAG + (uint64_t)phase;
+    st_release(&slot->flag, epoch);
+    volatile epxc_slot_t *in = &me->post[p][r];
+    if (!wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase)) {
+      ex_failed = 1;
+    } else if (in->word[EPXC_SLOT_WORDS - 1] != EPXC_PHASE_TAG + (uint64_t)phase) {
+      record_error(g, EPX_ERR_BROKEN, phase, r, (int64_t)(in->word[EPXC_SLOT_WORDS - 1] - EPXC_PHASE_TAG));
+      ex_failed = 1;
+    } else {
+      for (int i = 0; i < EPXC_SLOT_WORDS; i++) me->got[r][i] = in->word[i];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (ex_failed) {
+      me->aborted = 1;
+    } else {
+      int status = 0, who = -1;
+      for (int q = 0; q < g->nranks && !status; q++)
+        if ((int32_t)me->got[q][0] != 0) status = (int32_t)me->got[q][0], who = q;
+      me->group_status = status;
+      if (status) record_error(g, status, phase, who, 0);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  return !ex_failed;
+}
+
+#endif

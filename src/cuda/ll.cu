@@ -1,0 +1,354 @@
+/* Low-latency dispatch and combine for decode: one launch per operation, fixed shapes, no
+ * host synchronisation, graph-capturable and replayable with new routings.
+ *
+ * Dispatch, in one kernel: block 0 plans this rank's routing (bitmaps and counts, as notify
+ * does) while every block stages this rank's tokens in the receive type (fp8 is quantised
+ * here, once per token); when all blocks have arrived, block 0 meets the peers in one
+ * exchange (plan, staging), derives where every row lands and releases the other blocks,
+ * which pull the rows that come to this rank straight into their final slots. Combine, in one
+ * kernel: every block reduces the rows of the tokens this rank received into partials (row
+ * (source, token)), block 0 meets the peers, then every block sums its tokens' partials in
+ * rank order. Nothing waits for the peers to finish reading: what they read is double-buffered
+ * by the parity of device-side call counts, and the next operation's exchange proves they are
+ * done with the older copy. */
+#include "cuda/exchange.cuh"
+#include "cuda/rows.cuh"
+
+/* Every block of a launch waits for block 0, so all must be resident at once: half-size
+ * blocks leave room for two per SM. */
+#define LL_THREADS 512
+
+/* Waits until *p >= target, on this rank's own memory (the blocks of one launch). */
+static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint64_t target, int phase) {
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spin = 0;; spin++) {
+    if (ld_acquire(p) >= target) return true;
+    if ((spin & 63) == 63 && globaltimer_ns() - start > g->timeout_ns) {
+      record_error(g, EPX_ERR_TIMEOUT, phase, g->rank, (int64_t)(g->timeout_ns / 1000000));
+      return false;
+    }
+  }
+}
+
+/* Every block announces it is done with its first part; block 0 waits for all of them. The
+ * launch's round r was read by every block before it arrived, so block 0 may then advance it. */
+static __device__ bool arrive_all(const epxc_group_t *g, epxc_state_t *st, uint64_t r, int phase) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    atomicAdd((unsigned long long *)&st->ll_arrived, 1ull);
+  }
+  if (blockIdx.x != 0) return true;
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = wait_local(g, &st->ll_arrived, r * gridDim.x, phase);
+    st->ll_rounds = r;
+  }
+  __syncthreads();
+  return ok;
+}
+
+/* Block 0 lets the other blocks go on (also when it failed: they then see why and stop). */
+static __device__ void release_all(epxc_state_t *st, uint64_t r) {
+  __syncthreads();
+  if (threadIdx.x == 0) st_release(&st->ll_ready, r);
+}
+
+/* ---- planning (block 0) -------------------------------------------------------------------- */
+
+/* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. */
+static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
+                                  const epxc_route_t *r) {
+  const int K = s->topk, R = s->nranks, E = s->num_experts, L = s->num_local;
+  const int64_t W = plan->words, T = r->num_tokens;
+  for (int64_t i = threadIdx.x; i < (int64_t)R * W; i += blockDim.x) plan->rank_bits[i] = 0;
+  for (int64_t i = threadIdx.x; i < (int64_t)E * W; i += blockDim.x) plan->exp_bits[i] = 0;
+  for (int i = threadIdx.x; i < R + E; i += blockDim.x) plan->counts[i] = 0;
+  const bool fits = T <= s->max_tokens;
+  if (threadIdx.x == 0) {
+    plan->num_tokens = fits ? T : 0; /* too many tokens: nothing of this rank is read */
+    plan->bad_key = fits ? ~0ull : (uint64_t)EPX_ERR_LL_OVERFLOW;
+  }
+  __syncthreads();
+  if (fits) {
+    const bool replay = !r->topk_idx && !r->routing_map;
+    int32_t ids[EPX_MAX_TOPK];
+    float ws[EPX_MAX_TOPK];
+    for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+      int bad = 0, st = EPX_SUCCESS;
+      if (replay)
+        for (int k = 0; k < K; k++) ids[k] = prev->idx[t * K + k], ws[k] = prev->weight[t * K + k];
+      else
+        st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
+      if (st != EPX_SUCCESS) {
+        atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
+        continue;
+      }
+      uint64_t ranks = 0;
+      const uint32_t bit = 1u << (t & 31);
+      for (int k = 0; k < K; k++) {
+        plan->idx[t * K + k] = ids[k];
+        plan->weight[t * K + k] = ws[k];
+        if (ids[k] < 0) continue;
+        ranks |= 1ull << (ids[k] / L);
+        atomicOr(&plan->exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
+        atomicAdd(&plan->counts[R + ids[k]], 1);
+      }
+      for (int d = 0; d < R; d++)
+        if ((ranks >> d) & 1) {
+          atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], bit);
+          atomicAdd(&plan->counts[d], 1);
+        }
+    }
+  }
+  __syncthreads();
+  /* prefix popcounts, a warp per bitmap row */
+  const int64_t used = fits ? (T + 31) / 32 : 0;
+  const int lane = lane_id();
+  for (int row = threadIdx.x >> 5; row < R + E; row += blockDim.x >> 5) {
+    const uint32_t *bits = row < R ? plan->rank_bits + (int64_t)row * W : plan->exp_bits + (int64_t)(row - R) * W;
+    int32_t *pre = row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
+    int32_t carry = 0;
+    for (int64_t base = 0; base < used; base += 32) {
+      const int64_t w = base + lane;
+      int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
+      for (int o = 1; o < 32; o <<= 1) {
+        int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      if (w < used) pre[w] = carry + inc - c;
+      carry += __shfl_sync(0xffffffffu, inc, 31);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) plan->status = plan->bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(plan->bad_key & 0xff);
+  __syncthreads();
+}
+
+/* After the exchange (got[s][1] = s's plan): where every source's pairs land here. Fixed
+ * blocks of R * max_tokens rows per local expert, packed by (source rank, source token). */
+static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan) {
+  const int R = s->nranks, L = s->num_local, me = s->rank;
+  const epxc_state_t *st = g->state[g->rank];
+  if (threadIdx.x < R) plan->peer[threadIdx.x] = (const epxc_plan_t *)st->got[threadIdx.x][1];
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int64_t n = 0;
+    const int64_t block = (int64_t)l * R * s->max_tokens;
+    for (int q = 0; q < R; q++) {
+      plan->pair_base[(int64_t)l * R + q] = block + n;
+      n += plan->peer[q]->counts[R + me * L + l];
+    }
+    plan->pairs_local[l] = (int32_t)n;
+    plan->block[l] = block;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t pairs = 0;
+    for (int l = 0; l < L; l++) pairs += plan->pairs_local[l];
+    plan->block[L] = (int64_t)L * R * s->max_tokens;
+    plan->num_pairs = pairs;
+    plan->num_rows = plan->block[L];
+  }
+  __syncthreads();
+}
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                         epxc_ll_t *ll, epxc_route_t route,
+                                                                         epxc_dispatch_t a) {
+  epxc_state_t *st = g.state[g.rank];
+  if (((volatile epxc_state_t *)st)->aborted) return;
+  const uint64_t r = st->ll_rounds + 1, calls = ll->dispatches;
+  const int p = (int)(calls & 1);
+  epxc_plan_t *plan = ll->plan[p];
+  const int H = s.hidden, K = s.topk, R = s.nranks, me = s.rank, lane = lane_id();
+  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  const bool fp8 = a.recv_dtype == EPX_FP8_E4M3, scaled = a.scale_by_probs != 0;
+  /* staged in the receive type, unless every pair scales its copy: then in x's */
+  const epx_dtype_t stage_dtype = scaled ? a.x_dtype : a.recv_dtype;
+  const int64_t T = route.num_tokens;
+
+  if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
+  if (T <= s.max_tokens)
+    for (int64_t t = warp_global(); t < T; t += warp_count()) {
+      void *dst = row_at_mut(ll->stage[p], stage_dtype, t, H);
+      float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks : NULL;
+      const float one = 1.0f;
+      if (stage_dtype == a.x_dtype)
+        copy_row_raw(row_at(a.x, a.x_dtype, t, H), &dst, 1, (int64_t)H * dtype_bytes(a.x_dtype));
+      else
+        convert_row(row_at(a.x, a.x_dtype, t, H), a.x_dtype, stage_dtype, H, &dst, &dscale, &one, 0, 1);
+    }
+  if (!arrive_all(&g, st, r, EPXC_PH_LL_DISPATCH)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) st->aborted = 1;
+  }
+  if (blockIdx.x == 0) {
+    if (!st->aborted) {
+      epxc_words_t w = {{(uint64_t)(uint32_t)plan->status, (uint64_t)(uintptr_t)plan, (uint64_t)(uintptr_t)ll->stage[p],
+                         (uint64_t)(uintptr_t)ll->stage_scales[p]}};
+      if (exchange_block(&g, EPXC_PH_LL_DISPATCH, &w) && st->group_status == EPX_SUCCESS) place_block(&s, &g, plan);
+    }
+    if (threadIdx.x == 0) {
+      plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
+      ll->dispatches = calls + 1;
+    }
+    release_all(st, r);
+  } else if (!wait_local(&g, &st->ll_ready, r, EPXC_PH_LL_DISPATCH)) {
+    return;
+  }
+  if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
+  write_counts(&s, plan, &a);
+
+  const size_t row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
+  for (int src_rank = 0; src_rank < R; src_rank++) {
+    const epxc_plan_t *src = plan->peer[src_rank];
+    const void *stage = (const void *)g.state[g.rank]->got[src_rank][2];
+    const float *stage_scales = (const float *)g.state[g.rank]->got[src_rank][3];
+    const int64_t Ts = src->num_tokens, W = src->words;
+    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
+    for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
+      if (!bit_set(bits, t)) continue;
+      int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+      int64_t row[EPX_MAX_TOPK];
+      float factor[EPX_MAX_TOPK];
+      const int m = local_slots(&s, plan, src_rank, src, t, local, row, factor, slot);
+      void *dst[EPX_MAX_TOPK];
+      float *dscale[EPX_MAX_TOPK];
+      for (int j = 0; j < m; j++) {
+        dst[j] = row_at_mut(a.recv_x, a.recv_dtype, row[j], H);
+        dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
+        if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
+      }
+      const void *in = row_at(stage, stage_dtype, t, H);
+      if (scaled) {
+        convert_row(in, a.x_dtype, a.recv_dtype, H, dst, dscale, factor, 1, m);
+      } else {
+        copy_row_raw(in, dst, m, (int64_t)row_bytes);
+        if (fp8)
+          for (int j = 0; j < m; j++)
+            for (int b = lane; b < blocks; b += 32) dscale[j][b] = stage_scales[t * blocks + b];
+      }
+    }
+  }
+  (void)K;
+}
+
+extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
+                                const epxc_dispatch_t *a, void *stream) {
+  ll_dispatch_kernel<<<s->num_sms, LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a);
+  return (int)cudaGetLastError();
+}
+
+/* ---- combine ------------------------------------------------------------------------------- */
+
+static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                        epxc_ll_t *ll, epxc_combine_t a) {
+  epxc_state_t *st = g.state[g.rank];
+  if (((volatile epxc_state_t *)st)->aborted) return;
+  const uint64_t calls = ll->combines;
+  const epxc_plan_t *plan = ll->plan[(ll->dispatches - 1) & 1];
+  /* a refused plan is refused on every rank: all skip, nobody waits */
+  if (plan->group_status != EPX_SUCCESS) return;
+  const uint64_t r = st->ll_rounds + 1;
+  void *partials = ll->partials[calls & 1];
+  const int H = s.hidden, R = s.nranks, K = s.topk, L = s.num_local, me = s.rank, lane = lane_id();
+  const int64_t vec_end = H / 8 * 8;
+
+  /* partials of the tokens that came here: row (source, token), local experts ascending */
+  for (int src_rank = 0; src_rank < R; src_rank++) {
+    const epxc_plan_t *src = plan->peer[src_rank];
+    const int64_t Ts = src->num_tokens, W = src->words;
+    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
+    for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
+      if (!bit_set(bits, t)) continue;
+      int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+      int64_t row[EPX_MAX_TOPK];
+      float w[EPX_MAX_TOPK];
+      const int m = local_slots(&s, plan, src_rank, src, t, local, row, w, slot);
+      for (int j = 0; j < m; j++) w[j] = !a.weighted ? 1.0f : a.row_probs ? a.row_probs[row[j]] : w[j];
+      void *out = row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H);
+      for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < m; j++) {
+          float v[8];
+          load8(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c, v);
+#pragma unroll
+          for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], v[i]));
+        }
+        store8(out, a.y_dtype, c, acc);
+      }
+      for (int64_t c = vec_end + lane; c < H; c += 32) {
+        float acc = 0.0f;
+        for (int j = 0; j < m; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c)));
+        store1(out, a.y_dtype, c, acc);
+      }
+    }
+  }
+  if (!arrive_all(&g, st, r, EPXC_PH_LL_COMBINE)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) st->aborted = 1;
+  }
+  if (blockIdx.x == 0) {
+    if (!st->aborted) {
+      epxc_words_t w = {{0, (uint64_t)(uintptr_t)partials, (uint64_t)(uintptr_t)a.row_weight_grad}};
+      exchange_block(&g, EPXC_PH_LL_COMBINE, &w);
+    }
+    if (threadIdx.x == 0) ll->combines = calls + 1;
+    release_all(st, r);
+  } else if (!wait_local(&g, &st->ll_ready, r, EPXC_PH_LL_COMBINE)) {
+    return;
+  }
+  if (((volatile epxc_state_t *)st)->aborted || ((volatile epxc_state_t *)st)->group_status != EPX_SUCCESS) return;
+
+  /* this rank's tokens: partials summed in destination order */
+  const int64_t T = plan->num_tokens, W = plan->words;
+  for (int64_t t = warp_global(); t < T; t += warp_count()) {
+    const void *rows[EPX_MAX_RANKS];
+    int m = 0;
+    for (int d = 0; d < R; d++)
+      if (bit_set(plan->rank_bits + (int64_t)d * W, t))
+        rows[m++] = row_at((const void *)st->got[d][1], a.y_dtype, (int64_t)me * s.max_tokens + t, H);
+    void *out = row_at_mut(a.out, a.out_dtype, t, H);
+    for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < m; j++) {
+        float v[8];
+        load8(rows[j], a.y_dtype, c, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], v[i]);
+      }
+      store8(out, a.out_dtype, c, acc);
+    }
+    for (int64_t c = vec_end + lane; c < H; c += 32) {
+      float acc = 0.0f;
+      for (int j = 0; j < m; j++) acc = __fadd_rn(acc, load1(rows[j], a.y_dtype, c));
+      store1(out, a.out_dtype, c, acc);
+    }
+    if (a.topk_weight_grad && lane < K) {
+      const int e = plan->idx[t * K + lane];
+      float gw = 0.0f;
+      if (e >= 0) {
+        const int d = e / L;
+        const int64_t row = plan->peer[d]->pair_base[(int64_t)(e % L) * R + me] +
+                            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+        const float *wg = (const float *)st->got[d][2];
+        gw = wg ? wg[row] : 0.0f;
+      }
+      a.topk_weight_grad[t * K + lane] = gw;
+    }
+  }
+}
+
+extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
+                               void *stream) {
+  ll_combine_kernel<<<s->num_sms, LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int epxc_preload_ll(void) {
+  struct cudaFuncAttributes f;
+  cudaError_t e = cudaFuncGetAttributes(&f, (const void *)ll_dispatch_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, (const void *)ll_combine_kernel);
+  return (int)e;
+}
