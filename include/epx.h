@@ -292,6 +292,17 @@ EPX_API epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info
  * replays the handle's last plan: that is the gradient of combine (pass the output gradient
  * as x) and involves no layout work.
  * ---------------------------------------------------------------------------------------- */
+/* Low-latency operations can be issued in two halves, so the caller can overlap other work
+ * between them (DeepEP's receive hook, NCCL EP's send-only flag): SEND makes this rank's data
+ * available to its peers and returns; COMPLETE (routing NULL, the same args) waits for the
+ * peers and finishes. Every other path does all its work in SEND and returns at once from
+ * COMPLETE. */
+typedef enum {
+  EPX_PART_ALL = 0,
+  EPX_PART_SEND,
+  EPX_PART_COMPLETE
+} epx_part_t;
+
 typedef struct {
   const void *x;              /* [T, H] */
   epx_dtype_t x_dtype;        /* EPX_FLOAT32 or EPX_BFLOAT16 */
@@ -306,6 +317,7 @@ typedef struct {
   int64_t *num_recv_rows;     /* optional: [1], rows written (padding included) */
   int scale_by_probs;         /* expert layout: multiply each row by its weight (float32
                                  product, rounded once): combine's backward */
+  epx_part_t part;            /* EPX_PART_ALL unless split (see epx_part_t) */
 } epx_dispatch_args_t;
 
 EPX_API void epx_dispatch_args_init(epx_dispatch_args_t *args);
@@ -334,6 +346,7 @@ typedef struct {
   const float *row_probs;     /* weights to use: [rows]; NULL takes those the dispatch delivered */
   const float *row_weight_grad; /* optional, see above */
   float *topk_weight_grad;    /* [T, K], with row_weight_grad */
+  epx_part_t part;            /* EPX_PART_ALL unless split (see epx_part_t) */
 } epx_combine_args_t;
 
 EPX_API void epx_combine_args_init(epx_combine_args_t *args);

@@ -33,9 +33,11 @@ run() { # name, command...
 }
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in test_cuda_faults test_cuda_graph test_cuda_match; do
-    run "$t" timeout 900 "$build/tests/gpu/$t"
+  run test_cuda_faults timeout 180 "$build/tests/gpu/test_cuda_faults"
+  for mode in ht ll ll-split; do
+    run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
+  run test_cuda_match timeout 300 "$build/tests/gpu/test_cuda_match"
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then

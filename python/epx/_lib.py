@@ -195,6 +195,7 @@ class DispatchArgs(Structure):
         ("tokens_per_local_expert", c_void_p),  # int32_t *
         ("num_recv_rows", c_void_p),  # int64_t *
         ("scale_by_probs", c_int),
+        ("part", c_enum),  # epx_part_t: 0 all, 1 send, 2 complete
     ]
 
 
@@ -208,6 +209,7 @@ class CombineArgs(Structure):
         ("row_probs", c_void_p),  # const float *
         ("row_weight_grad", c_void_p),  # const float *
         ("topk_weight_grad", c_void_p),  # float *
+        ("part", c_enum),  # epx_part_t
     ]
 
 

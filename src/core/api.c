@@ -436,6 +436,8 @@ static epx_status_t check_dispatch_args(const epx_comm_t *comm, const epx_dispat
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: fp8 needs recv_scales");
   if (args->recv_capacity < 0)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_capacity %lld < 0", (long long)args->recv_capacity);
+  if (args->part < EPX_PART_ALL || args->part > EPX_PART_COMPLETE)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch part %d is not an epx_part_t", (int)args->part);
   return EPX_SUCCESS;
 }
 
@@ -446,6 +448,10 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
   EPX_CHECK(check_handle(comm, handle, routing == NULL, "epx_dispatch"));
   epx_status_t bad = check_dispatch_args(comm, args);
   if (bad == EPX_SUCCESS && routing) bad = epxi_check_routing_form(routing);
+  if (bad == EPX_SUCCESS && routing && args->part == EPX_PART_COMPLETE)
+    bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the COMPLETE half takes no routing (SEND planned)");
+  /* a failing COMPLETE is this rank's alone: its peers have what SEND made available */
+  if (bad != EPX_SUCCESS && args && args->part == EPX_PART_COMPLETE) return bad;
   if (bad != EPX_SUCCESS) {
     if (routing) handle->planned = false;
     return fail_collective(comm, handle, routing ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH, bad);
@@ -470,6 +476,8 @@ static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine
   EPX_CHECK(check_row_for(comm, args->out_dtype, "combine out"));
   if (!args->row_weight_grad != !args->topk_weight_grad)
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: row_weight_grad and topk_weight_grad go together");
+  if (args->part < EPX_PART_ALL || args->part > EPX_PART_COMPLETE)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine part %d is not an epx_part_t", (int)args->part);
   return EPX_SUCCESS;
 }
 
@@ -478,6 +486,7 @@ epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combi
   EPX_CHECK(check_comm(comm, "epx_combine"));
   EPX_CHECK(check_handle(comm, handle, true, "epx_combine"));
   epx_status_t bad = check_combine_args(comm, args);
+  if (bad != EPX_SUCCESS && args && args->part == EPX_PART_COMPLETE) return bad;
   if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad);
   return collective_result(comm, comm->world->ops->combine(comm, handle, args));
 }

@@ -53,7 +53,7 @@ typedef struct {
   epxc_ll_t ll;
   epxc_plan_t ll_plan[2];
   epx_routing_t ll_route;
-  bool ll_route_pending, ll_dispatched;
+  bool ll_route_pending, ll_dispatched, ll_sent, ll_combine_sent;
   plan_summary_t *summary;   /* exact mode's copy of the counts */
   int32_t *pairs_local_host; /* [L] */
   bool known;              /* summary holds this plan (exact mode) */
@@ -570,6 +570,8 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
                        .recv_probs = a->recv_probs, .tokens_per_local_expert = a->tokens_per_local_expert,
                        .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
   d.report_capacity = !ch->known;
+  d.part = a->part;
+  if (a->part == EPX_PART_COMPLETE && !s.ll) return EPX_SUCCESS; /* SEND did it all */
   ch->captured |= capturing(st);
   grow_frozen = ch->captured;
   if (!a->x && ch->num_tokens > 0)
@@ -588,8 +590,13 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
       route.routing_map = rt->topk_idx ? NULL : rt->routing_map;
       route.probs = rt->topk_idx ? NULL : rt->probs;
     }
-    ch->ll_route_pending = false;
-    ch->ll_dispatched = true;
+    if (a->part == EPX_PART_COMPLETE && !ch->ll_sent)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch on rank %d: COMPLETE without a SEND before it", c->rank);
+    if (a->part != EPX_PART_COMPLETE) {
+      ch->ll_route_pending = false;
+      ch->ll_dispatched = true;
+    }
+    ch->ll_sent = a->part == EPX_PART_SEND;
     LAUNCH_TRY(epxc_ll_dispatch(&s, &cc->group, ch->ll_dev, &route, &d, st), "low-latency dispatch");
     return EPX_SUCCESS;
   }
@@ -623,6 +630,8 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   epxc_combine_t k = {.y = a->y, .y_dtype = a->y_dtype, .out = a->out, .out_dtype = a->out_dtype,
                       .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
                       .topk_weight_grad = a->topk_weight_grad};
+  k.part = a->part;
+  if (a->part == EPX_PART_COMPLETE && !s.ll) return EPX_SUCCESS; /* SEND did it all */
   ch->captured |= capturing(st);
   grow_frozen = ch->captured;
   if ((!a->out && ch->num_tokens > 0) || !a->y)
@@ -632,6 +641,9 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
     if (!ch->ll_dispatched)
       return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "low-latency combine on rank %d: no dispatch on this handle to invert",
                        c->rank);
+    if (a->part == EPX_PART_COMPLETE && !ch->ll_combine_sent)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine on rank %d: COMPLETE without a SEND before it", c->rank);
+    ch->ll_combine_sent = a->part == EPX_PART_SEND;
     LAUNCH_TRY(epxc_ll_combine(&s, &cc->group, ch->ll_dev, &k, st), "low-latency combine");
     return EPX_SUCCESS;
   }

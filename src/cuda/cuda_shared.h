@@ -129,6 +129,7 @@ typedef struct {
   int64_t *num_recv_rows;
   int scale_by_probs;
   int report_capacity; /* record an output too small on the device (sync-free mode) */
+  int part;            /* epx_part_t: low-latency kernels run the half asked for */
 } epxc_dispatch_t;
 
 typedef struct {
@@ -142,6 +143,7 @@ typedef struct {
   float *topk_weight_grad;
   void *partials;   /* expert layout: [num_recv, H] in y_dtype, this rank's */
   int64_t partial_rows; /* rows `partials` holds */
+  int part;             /* epx_part_t */
   void *staged;     /* all-to-all: the rows pulled back, [sum of counts to each rank, H] */
 } epxc_combine_t;
 

@@ -15,30 +15,41 @@ typedef struct {
   uint64_t w[EPXC_SLOT_WORDS];
 } epxc_words_t;
 
-/* Call from every thread of one block. Returns false when this rank must stop (it stopped
- * earlier, or a wait failed); the peers' words are then in state->got, and group_status holds
- * the first failure any rank reported in word 0. */
-static __device__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words) {
+/* Posts this rank's words to every peer. Call from every thread of one block. Returns the
+ * exchange's epoch, or 0 when this rank stopped earlier. */
+static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words) {
   epxc_state_t *me = g->state[g->rank];
   __shared__ uint64_t ex_epoch;
-  __shared__ int ex_stopped, ex_failed;
   if (threadIdx.x == 0) {
-    ex_epoch = me->seq + 1;
-    me->seq = ex_epoch;
-    ex_stopped = me->aborted;
-    ex_failed = 0;
+    ex_epoch = me->aborted ? 0 : me->seq + 1;
+    if (ex_epoch) me->seq = ex_epoch;
   }
   __syncthreads();
-  if (ex_stopped) return false;
   const uint64_t epoch = ex_epoch;
-  const int p = (int)(epoch & 1), r = threadIdx.x;
-  if (r < g->nranks) {
+  const int r = threadIdx.x;
+  if (epoch && r < g->nranks) {
     /* the last word carries the phase: ranks that disagree on where they are fail loudly */
-    epxc_slot_t *slot = &g->state[r]->post[p][g->rank];
+    epxc_slot_t *slot = &g->state[r]->post[epoch & 1][g->rank];
     for (int i = 0; i < EPXC_SLOT_WORDS - 1; i++) slot->word[i] = words->w[i];
     slot->word[EPXC_SLOT_WORDS - 1] = EPXC_PHASE_TAG + (uint64_t)phase;
     st_release(&slot->flag, epoch);
-    volatile epxc_slot_t *in = &me->post[p][r];
+  }
+  __syncthreads();
+  return epoch;
+}
+
+/* Waits (bounded) for every peer's post of exchange `epoch`; the payloads land in state->got,
+ * group_status gets the first failure any rank reported in word 0. Call from every thread of
+ * one block. Returns false when this rank must stop. */
+static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t epoch) {
+  epxc_state_t *me = g->state[g->rank];
+  __shared__ int ex_failed;
+  if (threadIdx.x == 0) ex_failed = epoch == 0;
+  __syncthreads();
+  if (!epoch) return false;
+  const int r = threadIdx.x;
+  if (r < g->nranks) {
+    volatile epxc_slot_t *in = &me->post[epoch & 1][r];
     if (!wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase)) {
       ex_failed = 1;
     } else if (in->word[EPXC_SLOT_WORDS - 1] != EPXC_PHASE_TAG + (uint64_t)phase) {
@@ -63,6 +74,10 @@ static __device__ bool exchange_block(const epxc_group_t *g, int phase, const ep
   }
   __syncthreads();
   return !ex_failed;
+}
+
+static __device__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words) {
+  return exchange_wait(g, phase, exchange_post(g, phase, words));
 }
 
 #endif

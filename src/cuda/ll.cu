@@ -156,46 +156,54 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
 static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                         epxc_ll_t *ll, epxc_route_t route,
-                                                                         epxc_dispatch_t a) {
+                                                                            epxc_ll_t *ll, epxc_route_t route,
+                                                                            epxc_dispatch_t a) {
   epxc_state_t *st = g.state[g.rank];
   if (((volatile epxc_state_t *)st)->aborted) return;
-  const uint64_t r = st->ll_rounds + 1, calls = ll->dispatches;
-  const int p = (int)(calls & 1);
+  /* read before block 0 can move them (it does so only after every block has arrived) */
+  const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->dispatches;
+  const bool complete = a.part == EPX_PART_COMPLETE;
+  const int p = (int)((complete ? calls - 1 : calls) & 1);
   epxc_plan_t *plan = ll->plan[p];
-  const int H = s.hidden, K = s.topk, R = s.nranks, me = s.rank, lane = lane_id();
+  const int H = s.hidden, R = s.nranks, me = s.rank, lane = lane_id();
   const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const bool fp8 = a.recv_dtype == EPX_FP8_E4M3, scaled = a.scale_by_probs != 0;
   /* staged in the receive type, unless every pair scales its copy: then in x's */
   const epx_dtype_t stage_dtype = scaled ? a.x_dtype : a.recv_dtype;
-  const int64_t T = route.num_tokens;
+  /* the epoch of this dispatch's exchange: posted by this launch, or by the SEND before it */
+  const uint64_t epoch = complete ? seq0 : seq0 + 1;
 
-  if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
-  if (T <= s.max_tokens)
-    for (int64_t t = warp_global(); t < T; t += warp_count()) {
-      void *dst = row_at_mut(ll->stage[p], stage_dtype, t, H);
-      float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks : NULL;
-      const float one = 1.0f;
-      if (stage_dtype == a.x_dtype)
-        copy_row_raw(row_at(a.x, a.x_dtype, t, H), &dst, 1, (int64_t)H * dtype_bytes(a.x_dtype));
-      else
-        convert_row(row_at(a.x, a.x_dtype, t, H), a.x_dtype, stage_dtype, H, &dst, &dscale, &one, 0, 1);
+  if (!complete) {
+    const int64_t T = route.num_tokens;
+    if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
+    if (T <= s.max_tokens)
+      for (int64_t t = warp_global(); t < T; t += warp_count()) {
+        void *dst = row_at_mut(ll->stage[p], stage_dtype, t, H);
+        float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks : NULL;
+        const float one = 1.0f;
+        if (stage_dtype == a.x_dtype)
+          copy_row_raw(row_at(a.x, a.x_dtype, t, H), &dst, 1, (int64_t)H * dtype_bytes(a.x_dtype));
+        else
+          convert_row(row_at(a.x, a.x_dtype, t, H), a.x_dtype, stage_dtype, H, &dst, &dscale, &one, 0, 1);
+      }
+    const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_DISPATCH);
+    if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
+    if (blockIdx.x == 0) {
+      if (!arrived && threadIdx.x == 0) st->aborted = 1;
+      __syncthreads();
+      const epxc_words_t w = {{(uint64_t)(uint32_t)plan->status, (uint64_t)(uintptr_t)plan,
+                               (uint64_t)(uintptr_t)ll->stage[p], (uint64_t)(uintptr_t)ll->stage_scales[p]}};
+      exchange_post(&g, EPXC_PH_LL_DISPATCH, &w);
+      if (threadIdx.x == 0) ll->dispatches = calls + 1;
+      if (a.part == EPX_PART_SEND) return;
     }
-  if (!arrive_all(&g, st, r, EPXC_PH_LL_DISPATCH)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) st->aborted = 1;
   }
   if (blockIdx.x == 0) {
-    if (!st->aborted) {
-      epxc_words_t w = {{(uint64_t)(uint32_t)plan->status, (uint64_t)(uintptr_t)plan, (uint64_t)(uintptr_t)ll->stage[p],
-                         (uint64_t)(uintptr_t)ll->stage_scales[p]}};
-      if (exchange_block(&g, EPXC_PH_LL_DISPATCH, &w) && st->group_status == EPX_SUCCESS) place_block(&s, &g, plan);
-    }
-    if (threadIdx.x == 0) {
-      plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
-      ll->dispatches = calls + 1;
-    }
-    release_all(st, r);
-  } else if (!wait_local(&g, &st->ll_ready, r, EPXC_PH_LL_DISPATCH)) {
+    if (exchange_wait(&g, EPXC_PH_LL_DISPATCH, st->aborted ? 0 : epoch) && st->group_status == EPX_SUCCESS)
+      place_block(&s, &g, plan);
+    if (threadIdx.x == 0) plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
+    release_all(st, epoch);
+  } else if (!wait_local(&g, &st->ll_ready, epoch, EPXC_PH_LL_DISPATCH)) {
     return;
   }
   if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
@@ -232,7 +240,6 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
       }
     }
   }
-  (void)K;
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
@@ -244,59 +251,65 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, ep
 /* ---- combine ------------------------------------------------------------------------------- */
 
 static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                        epxc_ll_t *ll, epxc_combine_t a) {
+                                                                           epxc_ll_t *ll, epxc_combine_t a) {
   epxc_state_t *st = g.state[g.rank];
   if (((volatile epxc_state_t *)st)->aborted) return;
-  const uint64_t calls = ll->combines;
+  const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->combines;
   const epxc_plan_t *plan = ll->plan[(ll->dispatches - 1) & 1];
   /* a refused plan is refused on every rank: all skip, nobody waits */
   if (plan->group_status != EPX_SUCCESS) return;
-  const uint64_t r = st->ll_rounds + 1;
-  void *partials = ll->partials[calls & 1];
+  const bool complete = a.part == EPX_PART_COMPLETE;
+  const uint64_t epoch = complete ? seq0 : seq0 + 1;
   const int H = s.hidden, R = s.nranks, K = s.topk, L = s.num_local, me = s.rank, lane = lane_id();
   const int64_t vec_end = H / 8 * 8;
 
-  /* partials of the tokens that came here: row (source, token), local experts ascending */
-  for (int src_rank = 0; src_rank < R; src_rank++) {
-    const epxc_plan_t *src = plan->peer[src_rank];
-    const int64_t Ts = src->num_tokens, W = src->words;
-    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
-    for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
-      if (!bit_set(bits, t)) continue;
-      int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
-      int64_t row[EPX_MAX_TOPK];
-      float w[EPX_MAX_TOPK];
-      const int m = local_slots(&s, plan, src_rank, src, t, local, row, w, slot);
-      for (int j = 0; j < m; j++) w[j] = !a.weighted ? 1.0f : a.row_probs ? a.row_probs[row[j]] : w[j];
-      void *out = row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H);
-      for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j = 0; j < m; j++) {
-          float v[8];
-          load8(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c, v);
+  if (!complete) {
+    /* partials of the tokens that came here: row (source, token), local experts ascending */
+    void *partials = ll->partials[calls & 1];
+    for (int src_rank = 0; src_rank < R; src_rank++) {
+      const epxc_plan_t *src = plan->peer[src_rank];
+      const int64_t Ts = src->num_tokens, W = src->words;
+      const uint32_t *bits = src->rank_bits + (int64_t)me * W;
+      for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
+        if (!bit_set(bits, t)) continue;
+        int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+        int64_t row[EPX_MAX_TOPK];
+        float w[EPX_MAX_TOPK];
+        const int m = local_slots(&s, plan, src_rank, src, t, local, row, w, slot);
+        for (int j = 0; j < m; j++) w[j] = !a.weighted ? 1.0f : a.row_probs ? a.row_probs[row[j]] : w[j];
+        void *out = row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H);
+        for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int j = 0; j < m; j++) {
+            float v[8];
+            load8(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c, v);
 #pragma unroll
-          for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], v[i]));
+            for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], v[i]));
+          }
+          store8(out, a.y_dtype, c, acc);
         }
-        store8(out, a.y_dtype, c, acc);
-      }
-      for (int64_t c = vec_end + lane; c < H; c += 32) {
-        float acc = 0.0f;
-        for (int j = 0; j < m; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c)));
-        store1(out, a.y_dtype, c, acc);
+        for (int64_t c = vec_end + lane; c < H; c += 32) {
+          float acc = 0.0f;
+          for (int j = 0; j < m; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c)));
+          store1(out, a.y_dtype, c, acc);
+        }
       }
     }
-  }
-  if (!arrive_all(&g, st, r, EPXC_PH_LL_COMBINE)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) st->aborted = 1;
+    const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_COMBINE);
+    if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
+    if (blockIdx.x == 0) {
+      if (!arrived && threadIdx.x == 0) st->aborted = 1;
+      __syncthreads();
+      const epxc_words_t w = {{0, (uint64_t)(uintptr_t)partials, (uint64_t)(uintptr_t)a.row_weight_grad}};
+      exchange_post(&g, EPXC_PH_LL_COMBINE, &w);
+      if (threadIdx.x == 0) ll->combines = calls + 1;
+      if (a.part == EPX_PART_SEND) return;
+    }
   }
   if (blockIdx.x == 0) {
-    if (!st->aborted) {
-      epxc_words_t w = {{0, (uint64_t)(uintptr_t)partials, (uint64_t)(uintptr_t)a.row_weight_grad}};
-      exchange_block(&g, EPXC_PH_LL_COMBINE, &w);
-    }
-    if (threadIdx.x == 0) ll->combines = calls + 1;
-    release_all(st, r);
-  } else if (!wait_local(&g, &st->ll_ready, r, EPXC_PH_LL_COMBINE)) {
+    exchange_wait(&g, EPXC_PH_LL_COMBINE, st->aborted ? 0 : epoch);
+    release_all(st, epoch);
+  } else if (!wait_local(&g, &st->ll_ready, epoch, EPXC_PH_LL_COMBINE)) {
     return;
   }
   if (((volatile epxc_state_t *)st)->aborted || ((volatile epxc_state_t *)st)->group_status != EPX_SUCCESS) return;

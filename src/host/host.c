@@ -336,7 +336,9 @@ static epx_status_t host_handle_info(const epx_handle_t *h, epx_handle_info_t *i
 
 /* Every receiver reads each arriving token once from its source and writes it to every row
  * the plan gives it: its token row, or one row per local expert it chose. */
+/* The host backend does a whole operation in its SEND half: nothing is left for COMPLETE. */
 static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_dispatch_args_t *a) {
+  if (a->part == EPX_PART_COMPLETE) return EPX_SUCCESS;
   host_plan_t *p = h->impl;
   const int K = p->topk, H = p->hidden, me = p->rank;
   const int64_t T = p->route.num_tokens;
@@ -431,6 +433,7 @@ static epx_status_t reduce_partials(const host_plan_t *p, const epx_combine_args
 }
 
 static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_combine_args_t *a) {
+  if (a->part == EPX_PART_COMPLETE) return EPX_SUCCESS;
   host_plan_t *p = h->impl;
   const int R = p->nranks, K = p->topk, H = p->hidden, me = p->rank;
   const int64_t T = p->route.num_tokens;

@@ -1,7 +1,10 @@
 /* Sync-free dispatch -> expert stand-in -> combine captured in one CUDA graph per rank, then
  * replayed with fresh routings and token counts; every replay is checked against the host
  * backend bit for bit. The stand-in expert is the identity (a device copy of the received
- * rows), so the whole layer runs on the device. */
+ * rows), so the whole layer runs on the device.
+ *   test_cuda_graph ht        high-throughput, expert layout padded to 16
+ *   test_cuda_graph ll        low-latency (one launch per operation)
+ *   test_cuda_graph ll-split  low-latency issued as SEND and COMPLETE halves */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,7 +14,17 @@
 
 enum { R = 4, E = 64, K = 8, H = 2048, T = 256, ALIGN = 16, REPLAYS = 100 };
 #define L (E / R)
-#define CAP ((int64_t)R * T * K + (int64_t)L * ALIGN)
+#define CAP_HT ((int64_t)R * T * K + (int64_t)L * ALIGN)
+#define CAP_LL ((int64_t)L * R * T)
+#define CAP (CAP_LL > CAP_HT ? CAP_LL : CAP_HT)
+
+static int low_latency, split; /* from argv */
+
+static epx_handle_config_t layer_config(void) {
+  epx_handle_config_t hc = tu_handle_config(low_latency ? EPX_ALGO_LL : EPX_ALGO_HT, EPX_LAYOUT_EXPERT, ALIGN);
+  hc.exact = 0;
+  return hc;
+}
 
 typedef struct {
   epx_world_t *world;
@@ -25,10 +38,22 @@ typedef struct {
 /* The layer: sync-free dispatch, identity expert, weighted combine. */
 static epx_status_t layer(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *rt, const epx_dispatch_args_t *d,
                          const epx_combine_args_t *c, cudaStream_t st) {
-  epx_status_t s = epx_dispatch(comm, h, rt, d);
+  epx_dispatch_args_t dd = *d;
+  epx_combine_args_t cc = *c;
+  dd.part = cc.part = split ? EPX_PART_SEND : EPX_PART_ALL;
+  epx_status_t s = epx_dispatch(comm, h, rt, &dd);
+  if (s == EPX_SUCCESS && split) {
+    dd.part = EPX_PART_COMPLETE;
+    s = epx_dispatch(comm, h, NULL, &dd);
+  }
   if (s != EPX_SUCCESS) return s;
   cudaMemcpyAsync((void *)c->y, d->recv_x, sizeof(uint16_t) * CAP * H, cudaMemcpyDeviceToDevice, st);
-  return epx_combine(comm, h, c);
+  s = epx_combine(comm, h, &cc);
+  if (s == EPX_SUCCESS && split) {
+    cc.part = EPX_PART_COMPLETE;
+    s = epx_combine(comm, h, &cc);
+  }
+  return s;
 }
 
 /* One rank: run the layer once (which sizes every buffer), capture it, then replay it as the
@@ -54,18 +79,18 @@ static epx_status_t rank_main(int r, graph_t *g) {
   tu_barrier_wait(); /* every rank allocated before any waits on another */
 
   epx_config_t cfg = tu_config(E, H, K, T);
-  epx_handle_config_t hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_EXPERT, ALIGN);
-  hc.exact = 0;
+  epx_handle_config_t hc = layer_config();
   s = epx_comm_init(g->world, r, &cfg, &comm);
   if (s == EPX_SUCCESS) s = epx_comm_set_stream(comm, st);
   if (s == EPX_SUCCESS) s = epx_handle_create(comm, &hc, &h);
   epx_routing_t rt = {.num_tokens = T, .idx_dtype = EPX_INT32, .topk_idx = idx, .topk_weights = w};
   epx_dispatch_args_t d;
   epx_dispatch_args_init(&d);
-  d.x = x, d.recv_x = recv, d.recv_capacity = CAP, d.recv_probs = probs;
+  d.x = x, d.recv_x = recv, d.recv_capacity = CAP_HT, d.recv_probs = probs;
   epx_combine_args_t c;
   epx_combine_args_init(&c);
   c.y = y, c.out = out;
+  cudaMemsetAsync(recv, 0, sizeof(uint16_t) * CAP * H, st); /* LL rows past the counts stay as they are */
 
   for (int pass = 0; pass <= REPLAYS; pass++) {
     tu_barrier_wait(); /* inputs of this pass are ready */
@@ -121,15 +146,15 @@ static epx_status_t host_rank(int r, void *arg) {
   epx_comm_t *comm = NULL;
   epx_handle_t *h = NULL;
   epx_config_t cfg = tu_config(E, H, K, T);
-  void *recv = malloc(sizeof(uint16_t) * CAP * H);
+  void *recv = calloc((size_t)CAP * H, sizeof(uint16_t));
   float *probs = malloc(sizeof(float) * CAP);
   epx_status_t s = epx_comm_init(a->world, r, &cfg, &comm);
-  epx_handle_config_t hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_EXPERT, ALIGN);
+  epx_handle_config_t hc = layer_config();
   if (s == EPX_SUCCESS) s = epx_handle_create(comm, &hc, &h);
   epx_routing_t rt = tu_routing(a->m, r, TU_FORM_TOPK32);
   epx_dispatch_args_t d;
   epx_dispatch_args_init(&d);
-  d.x = a->m->x[r], d.recv_x = recv, d.recv_capacity = CAP, d.recv_probs = probs;
+  d.x = a->m->x[r], d.recv_x = recv, d.recv_capacity = CAP_HT, d.recv_probs = probs;
   if (s == EPX_SUCCESS) s = epx_dispatch(comm, h, &rt, &d);
   epx_combine_args_t c;
   epx_combine_args_init(&c);
@@ -195,8 +220,12 @@ static epx_status_t thread_main(int r, void *arg) {
   return r == R ? driver(&G) : rank_main(r, &G);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "ht";
+  low_latency = !strcmp(mode, "ll") || !strcmp(mode, "ll-split");
+  split = !strcmp(mode, "ll-split");
   tu_begin("test_cuda_graph");
+  printf("mode: %s\n", mode);
   if (!gu_have_gpu()) return GU_SKIP;
   epx_world_config_t wc;
   epx_world_config_init(&wc);
