@@ -83,7 +83,7 @@ typedef enum {
 
 /* A static string naming the status ("EPX_ERR_TIMEOUT: ..."). Never NULL. */
 EPX_API const char *epx_status_string(epx_status_t status);
-/* The calling thread's message for the last failed call ("" when none). */
+/* The calling thread's message about its last epx call: why it failed, or "" if it succeeded. */
 EPX_API const char *epx_last_error(void);
 
 typedef enum {
