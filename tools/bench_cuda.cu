@@ -143,8 +143,22 @@ static double dev_copy_bandwidth(void) {
   return 2.0 * (double)bytes / (best * 1e-3);
 }
 
+static void dev_capture_begin(void *s) {
+  check(cudaStreamBeginCapture((cudaStream_t)s, cudaStreamCaptureModeThreadLocal), "begin capture");
+}
+static void *dev_capture_end(void *s) {
+  cudaGraph_t g;
+  cudaGraphExec_t e;
+  check(cudaStreamEndCapture((cudaStream_t)s, &g), "end capture");
+  check(cudaGraphInstantiate(&e, g, 0), "instantiate graph");
+  cudaGraphDestroy(g);
+  return e;
+}
+static void dev_graph_launch(void *e, void *s) { check(cudaGraphLaunch((cudaGraphExec_t)e, (cudaStream_t)s), "graph launch"); }
+static void dev_graph_destroy(void *e) { cudaGraphExecDestroy((cudaGraphExec_t)e); }
+
 extern "C" const bench_dev_t bench_cuda_dev = {
     "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy,
     dev_event_create, dev_event_destroy, dev_event_record, dev_elapsed_ms, dev_standin_tokens, dev_standin_experts,
-    dev_copy_bandwidth,
+    dev_copy_bandwidth, dev_capture_begin, dev_capture_end, dev_graph_launch, dev_graph_destroy,
 };

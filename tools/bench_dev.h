@@ -39,6 +39,11 @@ typedef struct {
   void (*standin_experts)(const bench_standin_t *a, void *stream);
   /* Bytes read plus written per second by a large device-to-device copy. */
   double (*copy_bandwidth)(void);
+  /* CUDA graphs (NULL where there are none): capture the stream's work, replay it. */
+  void (*capture_begin)(void *stream);
+  void *(*capture_end)(void *stream);
+  void (*graph_launch)(void *exec, void *stream);
+  void (*graph_destroy)(void *exec);
 } bench_dev_t;
 
 extern const bench_dev_t bench_host_dev;

@@ -8,6 +8,7 @@
  * events on the GPU). Every figure comes with its floor: the bytes the phase must move
  * through memory over the measured copy bandwidth (all ranks share one device when emulated). */
 #include <inttypes.h>
+#include <stdbool.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,7 +22,7 @@
 typedef struct {
   epx_backend_t backend;
   int ranks, tokens, hidden, experts, topk, align, iters, warmup, check, json;
-  int ll, a2a, expert_layout, num_sms;
+  int ll, a2a, expert_layout, num_sms, graph;
   epx_dtype_t x_dtype, recv_dtype;
   uint64_t seed;
 } opts_t;
@@ -145,7 +146,7 @@ static double host_copy_bandwidth(void) {
 const bench_dev_t bench_host_dev = {
     "host", host_alloc, host_release, host_copy, host_copy, host_stream_create, host_stream_destroy,
     host_event_create, free, host_event_record, host_elapsed_ms, host_standin_tokens, host_standin_experts,
-    host_copy_bandwidth,
+    host_copy_bandwidth, NULL, NULL, NULL, NULL,
 };
 
 /* ---- one rank ------------------------------------------------------------------------- */
@@ -168,7 +169,7 @@ static epx_status_t run_rank(int rank, void *arg) {
   const int64_t rows = b->size[rank].recv_rows > 0 ? b->size[rank].recv_rows : 1;
   epx_comm_t *comm = NULL;
   epx_handle_t *handle = NULL;
-  void *ev[PH_COUNT + 1] = {0};
+  void *ev[PH_COUNT + 1] = {0}, *graph = NULL;
 
   /* Everything is allocated before the first collective call: an allocation must never
    * wait on the device while a peer's kernel waits on this rank. */
@@ -230,21 +231,33 @@ static epx_status_t run_rank(int rank, void *arg) {
                         .rows = expert_rows(o) ? rows : b->size[rank].recv_tokens, .recv_x = recv_x,
                         .scales = scales, .recv_idx = ridx, .recv_w = rw, .counts = counts, .y = y};
 
-  for (int it = -o->warmup; it < o->iters; it++) {
-    dev->event_record(ev[0], stream);
-    TRY(b, rank, epx_get_layout(comm, &routing, per_rank, per_expert, NULL));
-    dev->event_record(ev[1], stream);
-    TRY(b, rank, epx_notify(comm, handle, &routing));
-    dev->event_record(ev[2], stream);
-    TRY(b, rank, epx_dispatch(comm, handle, NULL, &da));
-    dev->event_record(ev[3], stream);
-    if (expert_rows(o))
-      dev->standin_experts(&sa, stream);
-    else
-      dev->standin_tokens(&sa, stream);
-    dev->event_record(ev[4], stream);
-    TRY(b, rank, epx_combine(comm, handle, &ca));
-    dev->event_record(ev[5], stream);
+  /* With --graph the first iteration sizes every buffer, then the layer is captured once and
+   * each timed iteration replays it (the events are nodes of the graph). */
+  for (int it = -o->warmup - (o->graph ? 1 : 0); it < o->iters; it++) {
+    const bool capture = o->graph && it == -o->warmup;
+    if (graph) {
+      dev->graph_launch(graph, stream);
+    } else {
+      if (capture) dev->capture_begin(stream);
+      dev->event_record(ev[0], stream);
+      TRY(b, rank, epx_get_layout(comm, &routing, per_rank, per_expert, NULL));
+      dev->event_record(ev[1], stream);
+      TRY(b, rank, epx_notify(comm, handle, &routing));
+      dev->event_record(ev[2], stream);
+      TRY(b, rank, epx_dispatch(comm, handle, NULL, &da));
+      dev->event_record(ev[3], stream);
+      if (expert_rows(o))
+        dev->standin_experts(&sa, stream);
+      else
+        dev->standin_tokens(&sa, stream);
+      dev->event_record(ev[4], stream);
+      TRY(b, rank, epx_combine(comm, handle, &ca));
+      dev->event_record(ev[5], stream);
+      if (capture) {
+        graph = dev->capture_end(stream);
+        dev->graph_launch(graph, stream);
+      }
+    }
     TRY(b, rank, epx_comm_synchronize(comm));
     if (it >= 0)
       for (int ph = 0; ph < PH_COUNT; ph++)
@@ -258,6 +271,7 @@ static epx_status_t run_rank(int rank, void *arg) {
     snprintf(b->error[rank], sizeof b->error[rank], "tokens_per_local_expert sums to %lld pairs, the routing has %lld",
              (long long)pairs, (long long)b->size[rank].recv_pairs);
 done:
+  if (graph) dev->graph_destroy(graph);
   epx_handle_destroy(handle);
   epx_comm_destroy(comm);
   void *bufs[] = {x, out, idx, per_rank, per_expert, counts, ridx, w, scales, rw, probs, recv_x, y};
@@ -275,10 +289,11 @@ static void usage(void) {
   fprintf(stderr,
           "usage: epx-bench [--backend auto|host|cuda] [--ranks R] [--tokens T] [--hidden H] [--experts E]\n"
           "                 [--topk K] [--dtype bf16|fp32|fp8] [--mode ht|ll|a2a] [--layout token|expert]\n"
-          "                 [--align A] [--iters N] [--warmup N] [--num-sms S] [--seed N] [--check] [--json]\n"
+          "                 [--align A] [--iters N] [--warmup N] [--num-sms S] [--seed N] [--check] [--json] [--graph]\n"
           "defaults: auto, 8 ranks, 512 tokens per rank, H 7168, 256 experts, top-8, bf16, ht, token layout\n"
           "fp8 dispatches bf16 tokens as e4m3 with a scale per 128 channels; combine stays bf16.\n"
-          "a2a is the permute -> all-to-all -> sort baseline on the same API.\n");
+          "a2a is the permute -> all-to-all -> sort baseline on the same API.\n"
+          "--graph (CUDA) captures the layer once and times graph replays.\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -300,6 +315,7 @@ static int parse(int argc, char **argv, opts_t *o) {
     if (!strcmp(a, "--seed") && v) { o->seed = strtoull(v, NULL, 10); i++; continue; }
     if (!strcmp(a, "--check")) { o->check = 1; continue; }
     if (!strcmp(a, "--json")) { o->json = 1; continue; }
+    if (!strcmp(a, "--graph")) { o->graph = 1; continue; }
     if (!strcmp(a, "--backend") && v) {
       i++;
       if (!strcmp(v, "host")) o->backend = EPX_BACKEND_HOST;
@@ -465,6 +481,11 @@ int main(int argc, char **argv) {
 #ifdef EPX_BENCH_CUDA
   if (epx_world_backend(b.world) == EPX_BACKEND_CUDA) b.dev = &bench_cuda_dev;
 #endif
+  if (o->graph && !b.dev->capture_begin) {
+    fprintf(stderr, "epx-bench: --graph needs the CUDA backend\n");
+    epx_world_destroy(b.world);
+    return 2;
+  }
   if (!o->num_sms) o->num_sms = 16;
   const char *mode = o->ll ? "ll" : o->a2a ? "a2a" : "ht", *layout = expert_rows(o) ? "expert" : "token";
   printf("epx-bench: backend %s, %d ranks, %d tokens/rank, hidden %d, %d experts, top-%d, %s%s, mode %s, layout %s, "
