@@ -215,4 +215,52 @@ static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *t
   return EPX_SUCCESS;
 }
 
+/* ---- plans -------------------------------------------------------------------------------- */
+
+/* Token t's normalised routing into the plan: ids and weights, its bits in the rank and
+ * expert bitmaps (bits start cleared), and the counts. Bits and counts are atomics, so the
+ * result does not depend on the order tokens are visited in. */
+static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int64_t t, const int32_t *ids,
+                                  const float *ws) {
+  const int K = s->topk, R = s->nranks, L = s->num_local;
+  const int64_t W = plan->words;
+  const uint32_t bit = 1u << (t & 31);
+  uint64_t ranks = 0;
+  for (int k = 0; k < K; k++) {
+    plan->idx[t * K + k] = ids[k];
+    plan->weight[t * K + k] = ws[k];
+    if (ids[k] < 0) continue;
+    ranks |= 1ull << (ids[k] / L);
+    atomicOr(&plan->exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
+    atomicAdd(&plan->counts[R + ids[k]], 1);
+  }
+  for (int d = 0; d < R; d++)
+    if ((ranks >> d) & 1) {
+      atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], bit);
+      atomicAdd(&plan->counts[d], 1);
+    }
+}
+
+/* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), a warp per
+ * row: warp `first` of `step` warps takes rows first, first + step, ... */
+static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int64_t first, int64_t step) {
+  const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
+  const int R = s->nranks, rows = R + s->num_experts, lane = lane_id();
+  for (int64_t row = first; row < rows; row += step) {
+    const uint32_t *bits = row < R ? plan->rank_bits + row * W : plan->exp_bits + (row - R) * W;
+    int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
+    int32_t carry = 0;
+    for (int64_t base = 0; base < used; base += 32) {
+      const int64_t w = base + lane;
+      int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
+      for (int o = 1; o < 32; o <<= 1) {
+        int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+      }
+      if (w < used) pre[w] = carry + inc - c;
+      carry += __shfl_sync(0xffffffffu, inc, 31);
+    }
+  }
+}
+
 #endif

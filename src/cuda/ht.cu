@@ -85,7 +85,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shap
     }
     return;
   }
-  const int R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
+  const int R = s.nranks, me = s.rank, H = s.hidden;
   for (int src_rank = 0; src_rank < R; src_rank++) {
     const epxc_plan_t *src = plan->peer[src_rank];
     const int64_t T = src->num_tokens, W = src->words;
@@ -94,28 +94,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shap
     for (int64_t t = warp_global(); t < T; t += warp_count()) {
       if (!bit_set(bits, t)) continue;
       const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
-      int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
-      int64_t row[EPX_MAX_TOPK];
-      float w[EPX_MAX_TOPK];
-      const int m = local_slots(&s, plan, src_rank, src, t, local, row, w, slot);
-      for (int j = 0; j < m; j++) w[j] = !a.weighted ? 1.0f : a.row_probs ? a.row_probs[row[j]] : w[j];
-      void *out = row_at_mut(a.partials, a.y_dtype, n, H);
-      const int64_t vec_end = H / 8 * 8;
-      for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j = 0; j < m; j++) {
-          float v[8];
-          load8(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c, v);
-#pragma unroll
-          for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], v[i]));
-        }
-        store8(out, a.y_dtype, c, acc);
-      }
-      for (int64_t c = vec_end + lane; c < H; c += 32) {
-        float acc = 0.0f;
-        for (int j = 0; j < m; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c)));
-        store1(out, a.y_dtype, c, acc);
-      }
+      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, a.y_dtype, n, H));
     }
   }
 }
@@ -133,7 +112,7 @@ extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *
 static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_t s, epxc_group_t g,
                                                                     const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan)) return;
-  const int R = s.nranks, K = s.topk, L = s.num_local, me = s.rank, H = s.hidden, lane = lane_id();
+  const int R = s.nranks, H = s.hidden;
   const int64_t T = plan->num_tokens, W = plan->words;
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
     const void *rows[EPX_MAX_RANKS];
@@ -145,41 +124,8 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_
       rows[m++] = a.staged ? row_at(a.staged, a.y_dtype, plan->send_base[d] + rank, H)
                            : row_at((const void *)got(&g, d, 1), a.y_dtype, plan->dest_base[d] + rank, H);
     }
-    void *out = row_at_mut(a.out, a.out_dtype, t, H);
-    const int64_t vec_end = H / 8 * 8;
-    for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j = 0; j < m; j++) {
-        float v[8];
-        load8(rows[j], a.y_dtype, c, v);
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], v[i]);
-      }
-      store8(out, a.out_dtype, c, acc);
-    }
-    for (int64_t c = vec_end + lane; c < H; c += 32) {
-      float acc = 0.0f;
-      for (int j = 0; j < m; j++) acc = __fadd_rn(acc, load1(rows[j], a.y_dtype, c));
-      store1(out, a.out_dtype, c, acc);
-    }
-    if (a.topk_weight_grad && lane < K) {
-      const int e = plan->idx[t * K + lane];
-      float gw = 0.0f;
-      if (e >= 0) {
-        const int d = e / L;
-        const float *wg = (const float *)got(&g, d, 2);
-        const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
-        if (s.expert_layout) {
-          const epxc_plan_t *dp = plan->peer[d];
-          const int64_t r = dp->pair_base[(int64_t)(e % L) * R + me] +
-                            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
-          gw = wg ? wg[r] : 0.0f;
-        } else if (wg) {
-          gw = wg[(plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + lane];
-        }
-      }
-      a.topk_weight_grad[t * K + lane] = gw;
-    }
+    reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
+    slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }
 

@@ -40,61 +40,26 @@ extern "C" int epxc_layout(const epxc_shape_t *s, int64_t T, const void *topk_id
 static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T, int64_t capacity,
                                     const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
                                     const uint8_t *map, const float *probs) {
-  const int K = s.topk, R = s.nranks, L = s.num_local;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     plan->num_tokens = T > capacity ? 0 : T; /* too many: nothing of this rank is read */
     plan->refused = EPX_SUCCESS;
     if (T > capacity) atomicMin((unsigned long long *)&plan->bad_key, (unsigned long long)EPX_ERR_LL_OVERFLOW);
   }
   if (T > capacity) return;
-  const int64_t W = plan->words;
   int32_t ids[EPX_MAX_TOPK];
   float ws[EPX_MAX_TOPK];
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
     int bad = 0;
     int st = read_route(&s, t, topk_idx, idx_dtype, topk_weights, map, probs, ids, ws, &bad);
-    if (st != EPX_SUCCESS) {
+    if (st != EPX_SUCCESS)
       atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
-      continue;
-    }
-    uint64_t ranks = 0;
-    const uint32_t bit = 1u << (t & 31);
-    for (int k = 0; k < K; k++) {
-      plan->idx[t * K + k] = ids[k];
-      plan->weight[t * K + k] = ws[k];
-      if (ids[k] < 0) continue;
-      ranks |= 1ull << (ids[k] / L);
-      atomicOr(&plan->exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
-      atomicAdd(&plan->counts[R + ids[k]], 1);
-    }
-    for (int d = 0; d < R; d++)
-      if ((ranks >> d) & 1) {
-        atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], bit);
-        atomicAdd(&plan->counts[d], 1);
-      }
+    else
+      plan_token(&s, plan, t, ids, ws);
   }
 }
 
-/* One warp per bitmap row (R rank rows, then E expert rows): exclusive prefix popcounts. */
-static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
-  const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
-  const int rows = s.nranks + s.num_experts, lane = lane_id();
-  for (int64_t row = warp_global(); row < rows; row += warp_count()) {
-    const uint32_t *bits = row < s.nranks ? plan->rank_bits + row * W : plan->exp_bits + (row - s.nranks) * W;
-    int32_t *pre = row < s.nranks ? plan->rank_pre + row * W : plan->exp_pre + (row - s.nranks) * W;
-    int32_t carry = 0;
-    for (int64_t base = 0; base < used; base += 32) {
-      int64_t w = base + lane;
-      int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
-      for (int o = 1; o < 32; o <<= 1) {
-        int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += v;
-      }
-      if (w < used) pre[w] = carry + inc - c;
-      carry += __shfl_sync(0xffffffffu, inc, 31);
-    }
-  }
-}
+/* Prefix popcounts of every bitmap row, a warp per row. */
+static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) { plan_prefix(&s, plan, warp_global(), warp_count()); }
 
 /* The bad-token key becomes this rank's status for the exchange. */
 static __global__ void status_kernel(epxc_plan_t *plan) {

@@ -59,7 +59,7 @@ static __device__ void release_all(epxc_state_t *st, uint64_t r) {
 /* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. */
 static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
                                   const epxc_route_t *r) {
-  const int K = s->topk, R = s->nranks, E = s->num_experts, L = s->num_local;
+  const int K = s->topk, R = s->nranks, E = s->num_experts;
   const int64_t W = plan->words, T = r->num_tokens;
   for (int64_t i = threadIdx.x; i < (int64_t)R * W; i += blockDim.x) plan->rank_bits[i] = 0;
   for (int64_t i = threadIdx.x; i < (int64_t)E * W; i += blockDim.x) plan->exp_bits[i] = 0;
@@ -80,46 +80,14 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
         for (int k = 0; k < K; k++) ids[k] = prev->idx[t * K + k], ws[k] = prev->weight[t * K + k];
       else
         st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
-      if (st != EPX_SUCCESS) {
+      if (st != EPX_SUCCESS)
         atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
-        continue;
-      }
-      uint64_t ranks = 0;
-      const uint32_t bit = 1u << (t & 31);
-      for (int k = 0; k < K; k++) {
-        plan->idx[t * K + k] = ids[k];
-        plan->weight[t * K + k] = ws[k];
-        if (ids[k] < 0) continue;
-        ranks |= 1ull << (ids[k] / L);
-        atomicOr(&plan->exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
-        atomicAdd(&plan->counts[R + ids[k]], 1);
-      }
-      for (int d = 0; d < R; d++)
-        if ((ranks >> d) & 1) {
-          atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], bit);
-          atomicAdd(&plan->counts[d], 1);
-        }
+      else
+        plan_token(s, plan, t, ids, ws);
     }
   }
   __syncthreads();
-  /* prefix popcounts, a warp per bitmap row */
-  const int64_t used = fits ? (T + 31) / 32 : 0;
-  const int lane = lane_id();
-  for (int row = threadIdx.x >> 5; row < R + E; row += blockDim.x >> 5) {
-    const uint32_t *bits = row < R ? plan->rank_bits + (int64_t)row * W : plan->exp_bits + (int64_t)(row - R) * W;
-    int32_t *pre = row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
-    int32_t carry = 0;
-    for (int64_t base = 0; base < used; base += 32) {
-      const int64_t w = base + lane;
-      int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
-      for (int o = 1; o < 32; o <<= 1) {
-        int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += v;
-      }
-      if (w < used) pre[w] = carry + inc - c;
-      carry += __shfl_sync(0xffffffffu, inc, 31);
-    }
-  }
+  plan_prefix(s, plan, threadIdx.x >> 5, blockDim.x >> 5);
   __syncthreads();
   if (threadIdx.x == 0) plan->status = plan->bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(plan->bad_key & 0xff);
   __syncthreads();
@@ -260,8 +228,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
   if (plan->group_status != EPX_SUCCESS) return;
   const bool complete = a.part == EPX_PART_COMPLETE;
   const uint64_t epoch = complete ? seq0 : seq0 + 1;
-  const int H = s.hidden, R = s.nranks, K = s.topk, L = s.num_local, me = s.rank, lane = lane_id();
-  const int64_t vec_end = H / 8 * 8;
+  const int H = s.hidden, R = s.nranks, me = s.rank;
 
   if (!complete) {
     /* partials of the tokens that came here: row (source, token), local experts ascending */
@@ -272,27 +239,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
       const uint32_t *bits = src->rank_bits + (int64_t)me * W;
       for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
         if (!bit_set(bits, t)) continue;
-        int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
-        int64_t row[EPX_MAX_TOPK];
-        float w[EPX_MAX_TOPK];
-        const int m = local_slots(&s, plan, src_rank, src, t, local, row, w, slot);
-        for (int j = 0; j < m; j++) w[j] = !a.weighted ? 1.0f : a.row_probs ? a.row_probs[row[j]] : w[j];
-        void *out = row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H);
-        for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int j = 0; j < m; j++) {
-            float v[8];
-            load8(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c, v);
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], v[i]));
-          }
-          store8(out, a.y_dtype, c, acc);
-        }
-        for (int64_t c = vec_end + lane; c < H; c += 32) {
-          float acc = 0.0f;
-          for (int j = 0; j < m; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(row_at(a.y, a.y_dtype, row[j], H), a.y_dtype, c)));
-          store1(out, a.y_dtype, c, acc);
-        }
+        partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H));
       }
     }
     const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_COMBINE);
@@ -322,34 +269,8 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     for (int d = 0; d < R; d++)
       if (bit_set(plan->rank_bits + (int64_t)d * W, t))
         rows[m++] = row_at((const void *)st->got[d][1], a.y_dtype, (int64_t)me * s.max_tokens + t, H);
-    void *out = row_at_mut(a.out, a.out_dtype, t, H);
-    for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j = 0; j < m; j++) {
-        float v[8];
-        load8(rows[j], a.y_dtype, c, v);
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], v[i]);
-      }
-      store8(out, a.out_dtype, c, acc);
-    }
-    for (int64_t c = vec_end + lane; c < H; c += 32) {
-      float acc = 0.0f;
-      for (int j = 0; j < m; j++) acc = __fadd_rn(acc, load1(rows[j], a.y_dtype, c));
-      store1(out, a.out_dtype, c, acc);
-    }
-    if (a.topk_weight_grad && lane < K) {
-      const int e = plan->idx[t * K + lane];
-      float gw = 0.0f;
-      if (e >= 0) {
-        const int d = e / L;
-        const int64_t row = plan->peer[d]->pair_base[(int64_t)(e % L) * R + me] +
-                            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
-        const float *wg = (const float *)st->got[d][2];
-        gw = wg ? wg[row] : 0.0f;
-      }
-      a.topk_weight_grad[t * K + lane] = gw;
-    }
+    reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
+    slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }
 

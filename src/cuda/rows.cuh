@@ -152,4 +152,72 @@ static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g,
   return fits;
 }
 
+/* out = round(sum over j < m, in order, of fl(w[j] * float(rows[j]))), one row by a warp;
+ * w NULL sums the rows as they are. Every product is rounded before it is added, the sum is
+ * float32 from 0, rounded once: the contract's arithmetic. */
+static __device__ void reduce_rows(const void *const *rows, const float *w, int m, epx_dtype_t in_dtype, void *out,
+                                   epx_dtype_t out_dtype, int hidden) {
+  const int lane = lane_id();
+  const int64_t vec_end = hidden / 8 * 8;
+  for (int64_t c = 8 * lane; c < vec_end; c += 256) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < m; j++) {
+      float v[8];
+      load8(rows[j], in_dtype, c, v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], w ? __fmul_rn(w[j], v[i]) : v[i]);
+    }
+    store8(out, out_dtype, c, acc);
+  }
+  for (int64_t c = vec_end + lane; c < hidden; c += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < m; j++) {
+      const float v = load1(rows[j], in_dtype, c);
+      acc = __fadd_rn(acc, w ? __fmul_rn(w[j], v) : v);
+    }
+    store1(out, out_dtype, c, acc);
+  }
+}
+
+/* Destination side of an expert-layout combine: token t of src_rank's partial, its rows
+ * weighted and summed in ascending local expert. */
+static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
+                                        const epxc_plan_t *src, int64_t t, const epxc_combine_t *a, void *out) {
+  int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+  int64_t row[EPX_MAX_TOPK];
+  float w[EPX_MAX_TOPK];
+  const void *rows[EPX_MAX_TOPK];
+  const int m = local_slots(s, plan, src_rank, src, t, local, row, w, slot);
+  for (int j = 0; j < m; j++) {
+    w[j] = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row[j]] : w[j];
+    rows[j] = row_at(a->y, a->y_dtype, row[j], s->hidden);
+  }
+  reduce_rows(rows, w, m, a->y_dtype, out, a->y_dtype, s->hidden);
+}
+
+/* Source side of a combine, lanes < K: the weight gradient of token t's slots, from the row
+ * gradient its destination published as word 2 (0 for slots that routed nowhere). */
+static __device__ void slot_weight_grad(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan, int64_t t,
+                                        float *topk_weight_grad) {
+  const int K = s->topk, L = s->num_local, R = s->nranks, lane = lane_id();
+  const int64_t W = plan->words;
+  if (!topk_weight_grad || lane >= K) return;
+  const int e = plan->idx[t * K + lane];
+  float gw = 0.0f;
+  if (e >= 0) {
+    const int d = e / L;
+    const float *wg = (const float *)got(g, d, 2);
+    int64_t row;
+    if (s->expert_layout) {
+      row = plan->peer[d]->pair_base[(int64_t)(e % L) * R + s->rank] +
+            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+    } else {
+      const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
+      row = (plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + lane;
+    }
+    gw = wg ? wg[row] : 0.0f;
+  }
+  topk_weight_grad[t * K + lane] = gw;
+}
+
 #endif
