@@ -256,8 +256,10 @@ EPX_API epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config
 EPX_API epx_status_t epx_handle_destroy(epx_handle_t *handle);
 
 /* Collective: plans a dispatch of this routing (layout, count exchange, receive positions).
- * The routing's memory may be reused once the call returns (CUDA: once the stream passes it).
- * Validates every expert id; low-latency mode refuses T > max_tokens_per_rank. */
+ * The routing's memory may be reused once the call returns (CUDA: once the stream passes it;
+ * CUDA low-latency handles plan inside the dispatch that follows, so there the routing must
+ * stay unchanged until that dispatch). Validates every expert id; low-latency mode refuses
+ * T > max_tokens_per_rank. */
 EPX_API epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing);
 
 typedef struct {
@@ -294,9 +296,10 @@ EPX_API epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info
  * ---------------------------------------------------------------------------------------- */
 /* Low-latency operations can be issued in two halves, so the caller can overlap other work
  * between them (DeepEP's receive hook, NCCL EP's send-only flag): SEND makes this rank's data
- * available to its peers and returns; COMPLETE (routing NULL, the same args) waits for the
- * peers and finishes. Every other path does all its work in SEND and returns at once from
- * COMPLETE. */
+ * available to its peers and returns; COMPLETE (routing NULL) waits for the peers and finishes
+ * with the arguments SEND was given (only its `part` is read). Between a SEND and its COMPLETE
+ * no other operation may run on the comm; a CUDA graph holds both halves or neither. Every
+ * other path does all its work in SEND and returns at once from COMPLETE. */
 typedef enum {
   EPX_PART_ALL = 0,
   EPX_PART_SEND,

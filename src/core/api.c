@@ -445,13 +445,16 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
                           const epx_dispatch_args_t *args) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_dispatch"));
-  EPX_CHECK(check_handle(comm, handle, routing == NULL, "epx_dispatch"));
+  EPX_CHECK(check_handle(comm, handle, false, "epx_dispatch"));
+  if (args && args->part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
+    if (routing)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the COMPLETE half takes no routing (SEND planned)");
+    return collective_result(comm, comm->world->ops->dispatch(comm, handle, args));
+  }
   epx_status_t bad = check_dispatch_args(comm, args);
+  if (bad == EPX_SUCCESS && !routing && !handle->planned)
+    bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the handle has no plan yet (call epx_notify or pass a routing)");
   if (bad == EPX_SUCCESS && routing) bad = epxi_check_routing_form(routing);
-  if (bad == EPX_SUCCESS && routing && args->part == EPX_PART_COMPLETE)
-    bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the COMPLETE half takes no routing (SEND planned)");
-  /* a failing COMPLETE is this rank's alone: its peers have what SEND made available */
-  if (bad != EPX_SUCCESS && args && args->part == EPX_PART_COMPLETE) return bad;
   if (bad != EPX_SUCCESS) {
     if (routing) handle->planned = false;
     return fail_collective(comm, handle, routing ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH, bad);
@@ -484,9 +487,12 @@ static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine
 epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_combine"));
-  EPX_CHECK(check_handle(comm, handle, true, "epx_combine"));
+  EPX_CHECK(check_handle(comm, handle, false, "epx_combine"));
+  if (args && args->part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
+    return collective_result(comm, comm->world->ops->combine(comm, handle, args));
   epx_status_t bad = check_combine_args(comm, args);
-  if (bad != EPX_SUCCESS && args && args->part == EPX_PART_COMPLETE) return bad;
+  if (bad == EPX_SUCCESS && !handle->planned)
+    bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_combine: the handle has no plan yet (call epx_notify or dispatch)");
   if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad);
   return collective_result(comm, comm->world->ops->combine(comm, handle, args));
 }

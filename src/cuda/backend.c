@@ -23,6 +23,10 @@ typedef struct {
   cudaStream_t own_stream;
   cudaStream_t last_stream; /* where the previous operation went */
   cudaEvent_t order;        /* orders an operation after the previous one when the stream changes */
+  /* a low-latency SEND whose COMPLETE has not come yet: nothing else may run on the comm in
+   * between (its exchange would pair with the peers' COMPLETE) */
+  const epx_handle_t *pending;
+  bool pending_combine;
   epxc_state_t *state;
   epxc_group_t group;
   epxc_shape_t shape;
@@ -53,7 +57,9 @@ typedef struct {
   epxc_ll_t ll;
   epxc_plan_t ll_plan[2];
   epx_routing_t ll_route;
-  bool ll_route_pending, ll_dispatched, ll_sent, ll_combine_sent;
+  bool ll_route_pending, ll_dispatched;
+  epxc_dispatch_t ll_send_dispatch; /* what a SEND half passed: its COMPLETE uses the same */
+  epxc_combine_t ll_send_combine;
   plan_summary_t *summary;   /* exact mode's copy of the counts */
   int32_t *pairs_local_host; /* [L] */
   bool known;              /* summary holds this plan (exact mode) */
@@ -100,6 +106,36 @@ epx_status_t epxi_cuda_available(void) {
 
 static cuda_comm_t *CC(const epx_comm_t *c) { return (cuda_comm_t *)c->impl; }
 static cuda_handle_t *ch_of(const epx_handle_t *h) { return (cuda_handle_t *)h->impl; }
+static bool capturing(cudaStream_t st) {
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(st, &cs);
+  return cs != cudaStreamCaptureStatusNone;
+}
+
+/* Refuses an operation that would run between a SEND and its COMPLETE, and a COMPLETE
+ * without its SEND; records a new SEND. Every rank makes the same calls, so every rank
+ * refuses alike. */
+static epx_status_t split_order(const epx_comm_t *c, const epx_handle_t *h, bool combine, epx_part_t part) {
+  cuda_comm_t *cc = (cuda_comm_t *)c->impl;
+  const bool split = h && h->hc.algo == EPX_ALGO_LL;
+  if (cc->pending) {
+    if (split && part == EPX_PART_COMPLETE && cc->pending == h && cc->pending_combine == combine) {
+      cc->pending = NULL;
+      return EPX_SUCCESS;
+    }
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: a low-latency %s SEND is outstanding on this comm: COMPLETE it first",
+                     c->rank, cc->pending_combine ? "combine" : "dispatch");
+  }
+  if (split && part == EPX_PART_COMPLETE)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: %s COMPLETE without a SEND before it", c->rank,
+                     combine ? "combine" : "dispatch");
+  if (split && part == EPX_PART_SEND) {
+    cc->pending = h;
+    cc->pending_combine = combine;
+  }
+  return EPX_SUCCESS;
+}
+
 static cudaStream_t stream_of(const epx_comm_t *c) {
   return c->stream ? (cudaStream_t)c->stream : CC(c)->own_stream;
 }
@@ -109,7 +145,8 @@ static cudaStream_t stream_of(const epx_comm_t *c) {
 static cudaStream_t op_stream(const epx_comm_t *c) {
   cuda_comm_t *cc = CC(c);
   cudaStream_t st = stream_of(c);
-  if (cc->last_stream && cc->last_stream != st) {
+  /* a stream being captured cannot wait on work outside the capture: there the caller orders */
+  if (cc->last_stream && cc->last_stream != st && !capturing(st)) {
     cudaEventRecord(cc->order, cc->last_stream);
     cudaStreamWaitEvent(st, cc->order, 0);
   }
@@ -377,11 +414,6 @@ static void cuda_handle_destroy(epx_handle_t *h) {
   free(ch);
 }
 
-static bool capturing(cudaStream_t st) {
-  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  cudaStreamIsCapturing(st, &cs);
-  return cs != cudaStreamCaptureStatusNone;
-}
 
 /* (Re)allocates a stream-ordered buffer to hold `bytes`. Refused while the stream is being
  * captured, and for a handle a captured graph uses (grow_frozen, set by the caller): the
@@ -470,8 +502,11 @@ static epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h) {
   return s;
 }
 
+static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status);
+
 static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32_t *tokens_per_rank,
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  EPX_CHECK(split_order(c, NULL, false, EPX_PART_ALL));
   CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
   LAUNCH_TRY(epxc_layout(&CC(c)->shape, r->num_tokens, r->topk_idx, r->idx_dtype, r->topk_idx ? NULL : r->routing_map,
                          tokens_per_rank, tokens_per_expert, is_token_in_rank, op_stream(c)),
@@ -482,9 +517,13 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
 static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
+  EPX_CHECK(split_order(c, NULL, false, EPX_PART_ALL));
   cudaStream_t st = op_stream(c);
   const bool ll = h->hc.algo == EPX_ALGO_LL;
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  if (h->hc.exact && !ll && capturing(st))
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: an exact notify waits for the counts, which a CUDA graph "
+                     "capture cannot: create the handle with exact = 0", c->rank);
   ch->known = false;
   ch->num_tokens = r->num_tokens;
   ch->captured |= capturing(st);
@@ -497,7 +536,8 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
   /* Low-latency buffers are sized once, for max_tokens_per_rank; a larger T is refused on
    * the device, by every rank. */
   const int64_t cap = ll ? c->cfg.max_tokens_per_rank : r->num_tokens;
-  EPX_CHECK(ensure_tokens(c, ch, cap, st));
+  epx_status_t grown = ensure_tokens(c, ch, cap, st);
+  if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_NOTIFY, grown);
   epxc_shape_t s = shape_of(c, h);
   LAUNCH_TRY(epxc_notify_build(&s, ch->dev, &ch->host, r->num_tokens, ll ? cap : r->num_tokens, r->topk_idx,
                                r->idx_dtype, r->topk_idx ? r->topk_weights : NULL,
@@ -556,8 +596,6 @@ static epx_status_t cuda_handle_info(const epx_handle_t *h, epx_handle_info_t *i
 
 /* ---- dispatch and combine ------------------------------------------------------------------ */
 
-static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status);
-
 static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
@@ -571,7 +609,15 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
                        .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
   d.report_capacity = !ch->known;
   d.part = a->part;
-  if (a->part == EPX_PART_COMPLETE && !s.ll) return EPX_SUCCESS; /* SEND did it all */
+  EPX_CHECK(split_order(c, h, false, a->part));
+  if (a->part == EPX_PART_COMPLETE) { /* SEND did it all, or (low-latency) left the rest */
+    if (!s.ll) return EPX_SUCCESS;
+    d = ch->ll_send_dispatch;
+    d.part = EPX_PART_COMPLETE;
+    epxc_route_t none = {.num_tokens = ch->num_tokens};
+    LAUNCH_TRY(epxc_ll_dispatch(&s, &cc->group, ch->ll_dev, &none, &d, st), "low-latency dispatch");
+    return EPX_SUCCESS;
+  }
   ch->captured |= capturing(st);
   grow_frozen = ch->captured;
   if (!a->x && ch->num_tokens > 0)
@@ -590,19 +636,16 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
       route.routing_map = rt->topk_idx ? NULL : rt->routing_map;
       route.probs = rt->topk_idx ? NULL : rt->probs;
     }
-    if (a->part == EPX_PART_COMPLETE && !ch->ll_sent)
-      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch on rank %d: COMPLETE without a SEND before it", c->rank);
-    if (a->part != EPX_PART_COMPLETE) {
-      ch->ll_route_pending = false;
-      ch->ll_dispatched = true;
-    }
-    ch->ll_sent = a->part == EPX_PART_SEND;
+    ch->ll_route_pending = false;
+    ch->ll_dispatched = true;
+    ch->ll_send_dispatch = d;
     LAUNCH_TRY(epxc_ll_dispatch(&s, &cc->group, ch->ll_dev, &route, &d, st), "low-latency dispatch");
     return EPX_SUCCESS;
   }
   if (h->hc.algo == EPX_ALGO_ALLTOALL) {
     /* permute here, then every destination pulls whole chunks (and sorts them) */
-    EPX_CHECK(ensure_a2a(c, ch, a, s.expert_layout, st));
+    epx_status_t grown = ensure_a2a(c, ch, a, s.expert_layout, st);
+    if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_DISPATCH, grown);
     const epxc_a2a_t *b = &ch->a2a;
     uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)b->send_x, (uint64_t)(uintptr_t)b->send_scales,
                                        (uint64_t)(uintptr_t)b->send_token, (uint64_t)(uintptr_t)b->send_weight};
@@ -631,7 +674,14 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
                       .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
                       .topk_weight_grad = a->topk_weight_grad};
   k.part = a->part;
-  if (a->part == EPX_PART_COMPLETE && !s.ll) return EPX_SUCCESS; /* SEND did it all */
+  EPX_CHECK(split_order(c, h, true, a->part));
+  if (a->part == EPX_PART_COMPLETE) { /* SEND did it all, or (low-latency) left the rest */
+    if (!s.ll) return EPX_SUCCESS;
+    k = ch->ll_send_combine;
+    k.part = EPX_PART_COMPLETE;
+    LAUNCH_TRY(epxc_ll_combine(&s, &cc->group, ch->ll_dev, &k, st), "low-latency combine");
+    return EPX_SUCCESS;
+  }
   ch->captured |= capturing(st);
   grow_frozen = ch->captured;
   if ((!a->out && ch->num_tokens > 0) || !a->y)
@@ -639,13 +689,20 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
                       epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: %s is NULL", c->rank, a->y ? "out" : "y"));
   if (s.ll) {
     if (!ch->ll_dispatched)
-      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "low-latency combine on rank %d: no dispatch on this handle to invert",
-                       c->rank);
-    if (a->part == EPX_PART_COMPLETE && !ch->ll_combine_sent)
-      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine on rank %d: COMPLETE without a SEND before it", c->rank);
-    ch->ll_combine_sent = a->part == EPX_PART_SEND;
+      return cuda_abort(c, h, EPXI_OP_COMBINE,
+                        epxi_fail(EPX_ERR_INVALID_ARGUMENT, "low-latency combine on rank %d: no dispatch on this "
+                                  "handle to invert", c->rank));
+    ch->ll_send_combine = k;
     LAUNCH_TRY(epxc_ll_combine(&s, &cc->group, ch->ll_dev, &k, st), "low-latency combine");
     return EPX_SUCCESS;
+  }
+  /* Buffers first: a failure after the first exchange would leave the peers waiting. */
+  if (h->hc.algo == EPX_ALGO_ALLTOALL) {
+    const size_t back = (size_t)(ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk * c->cfg.hidden *
+                        epx_dtype_size(a->y_dtype);
+    epx_status_t grown = ensure_bytes(st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer");
+    if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
+    k.staged = ch->a2a_back;
   }
   const void *rows = a->y;
   if (s.expert_layout) {
@@ -653,7 +710,8 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
     int64_t need = ch->known ? ch->summary->num_recv : ch->recv_capacity;
     size_t bytes = (size_t)need * c->cfg.hidden * epx_dtype_size(a->y_dtype);
     if (!ch->partials || bytes > ch->partial_bytes) {
-      EPX_CHECK(grow(st, &ch->partials, bytes, "combine partials"));
+      epx_status_t grown = grow(st, &ch->partials, bytes, "combine partials");
+      if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
       ch->partial_bytes = bytes;
     }
     k.partials = ch->partials;
@@ -664,14 +722,8 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)rows, (uint64_t)(uintptr_t)a->row_weight_grad};
   /* a rank whose dispatch wrote nothing makes every rank skip this combine */
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, words, &ch->dev->refused, st), "combine exchange");
-  if (h->hc.algo == EPX_ALGO_ALLTOALL) {
-    /* the rows for this rank's tokens come back whole, then are summed from here */
-    const size_t back = (size_t)(ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk * c->cfg.hidden *
-                        epx_dtype_size(a->y_dtype);
-    EPX_CHECK(ensure_bytes(st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer"));
-    k.staged = ch->a2a_back;
+  if (h->hc.algo == EPX_ALGO_ALLTOALL) /* the rows for this rank's tokens come back whole */
     LAUNCH_TRY(epxc_a2a_pull_back(&s, &cc->group, ch->dev, &k, st), "all-to-all pull back");
-  }
   LAUNCH_TRY(epxc_combine_reduce(&s, &cc->group, ch->dev, &k, st), "combine kernel");
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE_DONE, NULL, NULL, st), "combine closing exchange");
   return EPX_SUCCESS;
@@ -680,6 +732,7 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
 /* The caller returns this rank's failure with its own message: drop the device's record of
  * the same thing (the exchange recorded it as "rank r failed"), and nothing else. */
 static void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st) {
+  if (capturing(st)) return; /* the record then stays, for epx_comm_synchronize to report */
   cudaStreamSynchronize(st);
   volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
   if (e->status == (int32_t)status && e->peer == c->rank) e->status = 0;
@@ -690,6 +743,7 @@ static void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t s
  * is two operations to the peers; an exact notify already stops them after the first. */
 static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status) {
   cuda_comm_t *cc = CC(c);
+  if (cc->pending) return status; /* between a SEND and its COMPLETE nothing may exchange */
   cudaStream_t st = op_stream(c);
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
@@ -701,7 +755,7 @@ static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx
     if (op != EPXI_OP_NOTIFY)
       LAUNCH_TRY(epxc_exchange(&cc->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, words, NULL, st),
                  "exchange");
-    if (op != EPXI_OP_COMBINE) ch_of(h)->ll_dispatched = false;
+    if (op == EPXI_OP_DISPATCH || op == EPXI_OP_NOTIFY_DISPATCH) ch_of(h)->ll_dispatched = false;
     forget_own_report(c, status, st);
     return status;
   }

@@ -168,6 +168,9 @@ typedef struct {
   float *stage_scales[2];  /* fp8: [max_tokens, blocks] */
   void *partials[2];       /* [R * max_tokens, H]: combine partials, row (source, token) */
   uint64_t dispatches, combines;
+  /* what a SEND half leaves for its COMPLETE: the exchange's epoch and the plan it used */
+  uint64_t dispatch_epoch, combine_epoch;
+  int32_t dispatch_plan, combine_plan;
 } epxc_ll_t;
 
 /* Where a low-latency dispatch finds its routing: the caller's, or (NULL topk and map) the

@@ -54,6 +54,19 @@ static __device__ void release_all(epxc_state_t *st, uint64_t r) {
   if (threadIdx.x == 0) st_release(&st->ll_ready, r);
 }
 
+/* The other blocks wait for that, polled by one thread so a warp never splits on the outcome.
+ * Block 0 itself waits on the peers for up to the timeout, so these wait twice as long. */
+static __device__ bool wait_ready(const epxc_group_t *g, epxc_state_t *st, uint64_t epoch, int phase) {
+  __shared__ int ready;
+  if (threadIdx.x == 0) {
+    epxc_group_t twice = *g;
+    twice.timeout_ns = 2 * g->timeout_ns;
+    ready = wait_local(&twice, &st->ll_ready, epoch, phase);
+  }
+  __syncthreads();
+  return ready;
+}
+
 /* ---- planning (block 0) -------------------------------------------------------------------- */
 
 /* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. */
@@ -72,9 +85,11 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
   __syncthreads();
   if (fits) {
     const bool replay = !r->topk_idx && !r->routing_map;
+    if (replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS) && threadIdx.x == 0)
+      plan->bad_key = (uint64_t)EPX_ERR_INVALID_ARGUMENT; /* nothing valid to replay */
     int32_t ids[EPX_MAX_TOPK];
     float ws[EPX_MAX_TOPK];
-    for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+    for (int64_t t = threadIdx.x; t < T && !(replay && (prev->status || prev->group_status)); t += blockDim.x) {
       int bad = 0, st = EPX_SUCCESS;
       if (replay)
         for (int k = 0; k < K; k++) ids[k] = prev->idx[t * K + k], ws[k] = prev->weight[t * K + k];
@@ -131,15 +146,15 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
   /* read before block 0 can move them (it does so only after every block has arrived) */
   const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->dispatches;
   const bool complete = a.part == EPX_PART_COMPLETE;
-  const int p = (int)((complete ? calls - 1 : calls) & 1);
+  /* a COMPLETE finishes what its SEND started: that exchange, that plan */
+  const int p = complete ? ll->dispatch_plan : (int)(calls & 1);
+  const uint64_t epoch = complete ? ll->dispatch_epoch : seq0 + 1;
   epxc_plan_t *plan = ll->plan[p];
   const int H = s.hidden, R = s.nranks, me = s.rank, lane = lane_id();
   const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const bool fp8 = a.recv_dtype == EPX_FP8_E4M3, scaled = a.scale_by_probs != 0;
   /* staged in the receive type, unless every pair scales its copy: then in x's */
   const epx_dtype_t stage_dtype = scaled ? a.x_dtype : a.recv_dtype;
-  /* the epoch of this dispatch's exchange: posted by this launch, or by the SEND before it */
-  const uint64_t epoch = complete ? seq0 : seq0 + 1;
 
   if (!complete) {
     const int64_t T = route.num_tokens;
@@ -160,9 +175,14 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
       __syncthreads();
       const epxc_words_t w = {{(uint64_t)(uint32_t)plan->status, (uint64_t)(uintptr_t)plan,
-                               (uint64_t)(uintptr_t)ll->stage[p], (uint64_t)(uintptr_t)ll->stage_scales[p]}};
-      exchange_post(&g, EPXC_PH_LL_DISPATCH, &w);
-      if (threadIdx.x == 0) ll->dispatches = calls + 1;
+                               (uint64_t)(uintptr_t)ll->stage[p], (uint64_t)(uintptr_t)ll->stage_scales[p],
+                               (uint64_t)stage_dtype}};
+      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w);
+      if (threadIdx.x == 0) {
+        ll->dispatches = calls + 1;
+        ll->dispatch_epoch = posted;
+        ll->dispatch_plan = p;
+      }
       if (a.part == EPX_PART_SEND) return;
     }
   }
@@ -171,7 +191,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
       place_block(&s, &g, plan);
     if (threadIdx.x == 0) plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
     release_all(st, epoch);
-  } else if (!wait_local(&g, &st->ll_ready, epoch, EPXC_PH_LL_DISPATCH)) {
+  } else if (!wait_ready(&g, st, epoch, EPXC_PH_LL_DISPATCH)) {
     return;
   }
   if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
@@ -182,6 +202,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
     const epxc_plan_t *src = plan->peer[src_rank];
     const void *stage = (const void *)g.state[g.rank]->got[src_rank][2];
     const float *stage_scales = (const float *)g.state[g.rank]->got[src_rank][3];
+    const epx_dtype_t src_dtype = (epx_dtype_t)g.state[g.rank]->got[src_rank][4]; /* as the source staged it */
     const int64_t Ts = src->num_tokens, W = src->words;
     const uint32_t *bits = src->rank_bits + (int64_t)me * W;
     for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
@@ -197,9 +218,9 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
         dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
         if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
       }
-      const void *in = row_at(stage, stage_dtype, t, H);
-      if (scaled) {
-        convert_row(in, a.x_dtype, a.recv_dtype, H, dst, dscale, factor, 1, m);
+      const void *in = row_at(stage, src_dtype, t, H);
+      if (src_dtype != a.recv_dtype) {
+        convert_row(in, src_dtype, a.recv_dtype, H, dst, dscale, factor, scaled, m);
       } else {
         copy_row_raw(in, dst, m, (int64_t)row_bytes);
         if (fp8)
@@ -223,17 +244,18 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
   epxc_state_t *st = g.state[g.rank];
   if (((volatile epxc_state_t *)st)->aborted) return;
   const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->combines;
-  const epxc_plan_t *plan = ll->plan[(ll->dispatches - 1) & 1];
-  /* a refused plan is refused on every rank: all skip, nobody waits */
-  if (plan->group_status != EPX_SUCCESS) return;
   const bool complete = a.part == EPX_PART_COMPLETE;
-  const uint64_t epoch = complete ? seq0 : seq0 + 1;
+  const epxc_plan_t *plan = ll->plan[complete ? ll->combine_plan : (int)((ll->dispatches - 1) & 1)];
+  const uint64_t epoch = complete ? ll->combine_epoch : seq0 + 1;
+  /* A refused plan is refused on every rank: all skip the work but still meet, so a rank that
+   * fails its arguments (and only posts) meets them too. */
+  const bool live = plan->group_status == EPX_SUCCESS;
   const int H = s.hidden, R = s.nranks, me = s.rank;
 
   if (!complete) {
     /* partials of the tokens that came here: row (source, token), local experts ascending */
     void *partials = ll->partials[calls & 1];
-    for (int src_rank = 0; src_rank < R; src_rank++) {
+    for (int src_rank = 0; src_rank < R && live; src_rank++) {
       const epxc_plan_t *src = plan->peer[src_rank];
       const int64_t Ts = src->num_tokens, W = src->words;
       const uint32_t *bits = src->rank_bits + (int64_t)me * W;
@@ -247,16 +269,21 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     if (blockIdx.x == 0) {
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
       __syncthreads();
-      const epxc_words_t w = {{0, (uint64_t)(uintptr_t)partials, (uint64_t)(uintptr_t)a.row_weight_grad}};
-      exchange_post(&g, EPXC_PH_LL_COMBINE, &w);
-      if (threadIdx.x == 0) ll->combines = calls + 1;
+      const epxc_words_t w = {{(uint64_t)(uint32_t)plan->group_status, (uint64_t)(uintptr_t)partials,
+                               (uint64_t)(uintptr_t)a.row_weight_grad}};
+      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w);
+      if (threadIdx.x == 0) {
+        ll->combines = calls + 1;
+        ll->combine_epoch = posted;
+        ll->combine_plan = (int)((ll->dispatches - 1) & 1);
+      }
       if (a.part == EPX_PART_SEND) return;
     }
   }
   if (blockIdx.x == 0) {
     exchange_wait(&g, EPXC_PH_LL_COMBINE, st->aborted ? 0 : epoch);
     release_all(st, epoch);
-  } else if (!wait_local(&g, &st->ll_ready, epoch, EPXC_PH_LL_COMBINE)) {
+  } else if (!wait_ready(&g, st, epoch, EPXC_PH_LL_COMBINE)) {
     return;
   }
   if (((volatile epxc_state_t *)st)->aborted || ((volatile epxc_state_t *)st)->group_status != EPX_SUCCESS) return;
