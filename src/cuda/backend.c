@@ -480,6 +480,7 @@ static epx_status_t ensure_tokens(epx_comm_t *c, cuda_handle_t *ch, int64_t cap,
   cap = cap < 32 ? 32 : cap;
   const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts;
   epxc_plan_t *p = &ch->host;
+  ch->token_cap = 0; /* until every buffer below has grown: a failure grows them all next time */
   EPX_CHECK(grow(st, (void **)&p->idx, sizeof(int32_t) * cap * K, "routing buffer"));
   EPX_CHECK(grow(st, (void **)&p->weight, sizeof(float) * cap * K, "weight buffer"));
   EPX_CHECK(grow(st, (void **)&p->rank_bits, sizeof(uint32_t) * R * W, "rank bitmap"));

@@ -1,0 +1,80 @@
+/* test_split: an operation issued as SEND then COMPLETE gives the bits of the whole
+ * operation (the host backend does all its work in SEND), and COMPLETE reuses what SEND was
+ * given: its own arguments are not read. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+
+enum { R = 3, E = 12, K = 3, H = 32 };
+
+typedef struct {
+  tu_world_t w;
+  tu_moe_t m;
+  void *out_whole[R], *out_split[R];
+  epx_status_t st[R];
+} split_t;
+
+/* dispatch + identity expert + combine on one handle, whole or in halves */
+static epx_status_t layer(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *rt, const void *x, void *out, int halves) {
+  const int64_t cap = (int64_t)R * 64 * K;
+  float *recv = calloc((size_t)cap * H, sizeof(float)), *probs = calloc((size_t)cap, sizeof(float));
+  epx_dispatch_args_t d;
+  epx_dispatch_args_init(&d);
+  d.x = x, d.x_dtype = d.recv_dtype = EPX_FLOAT32, d.recv_x = recv, d.recv_capacity = cap, d.recv_probs = probs;
+  d.part = halves ? EPX_PART_SEND : EPX_PART_ALL;
+  epx_status_t s = epx_dispatch(comm, h, rt, &d);
+  epx_dispatch_args_t complete;
+  memset(&complete, 0, sizeof complete); /* COMPLETE reads only its part */
+  complete.part = EPX_PART_COMPLETE;
+  if (s == EPX_SUCCESS && halves) s = epx_dispatch(comm, h, NULL, &complete);
+  epx_combine_args_t c;
+  epx_combine_args_init(&c);
+  c.y = recv, c.y_dtype = c.out_dtype = EPX_FLOAT32, c.out = out;
+  c.part = halves ? EPX_PART_SEND : EPX_PART_ALL;
+  if (s == EPX_SUCCESS) s = epx_combine(comm, h, &c);
+  epx_combine_args_t ccomplete;
+  memset(&ccomplete, 0, sizeof ccomplete);
+  ccomplete.part = EPX_PART_COMPLETE;
+  if (s == EPX_SUCCESS && halves) s = epx_combine(comm, h, &ccomplete);
+  free(recv);
+  free(probs);
+  return s;
+}
+
+static epx_status_t rank_main(int r, void *arg) {
+  split_t *t = arg;
+  epx_handle_config_t hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 4);
+  epx_handle_t *h = NULL;
+  epx_status_t s = epx_handle_create(t->w.comm[r], &hc, &h);
+  epx_routing_t rt = tu_routing(&t->m, r, TU_FORM_TOPK32);
+  if (s == EPX_SUCCESS) s = layer(t->w.comm[r], h, &rt, t->m.x[r], t->out_whole[r], 0);
+  if (s == EPX_SUCCESS) s = layer(t->w.comm[r], h, &rt, t->m.x[r], t->out_split[r], 1);
+  epx_handle_destroy(h);
+  t->st[r] = s;
+  return s;
+}
+
+int main(void) {
+  tu_begin("test_split");
+  static split_t t;
+  int64_t T[TU_MAX_RANKS] = {40, 0, 64};
+  tu_route_opts_t o = tu_route_default();
+  tu_moe_random(&t.m, &tu_rng, R, E, H, K, EPX_FLOAT32, T, &o, 1);
+  epx_config_t cfg = tu_config(E, H, K, 64);
+  CHECK_STATUS(tu_world_create(&t.w, R, &cfg, NULL, NULL), EPX_SUCCESS, "world");
+  for (int r = 0; r < R; r++) {
+    t.out_whole[r] = tu_alloc_poison(sizeof(float) * (size_t)(T[r] * H + 1));
+    t.out_split[r] = tu_alloc_poison(sizeof(float) * (size_t)(T[r] * H + 1));
+  }
+  epx_run_ranks(R, rank_main, &t, NULL);
+  for (int r = 0; r < R; r++) {
+    CHECK_STATUS(t.st[r], EPX_SUCCESS, "rank %d", r);
+    tu_check_bits("SEND + COMPLETE against the whole operation", EPX_FLOAT32, t.out_split[r], t.out_whole[r], T[r] * H, H);
+    free(t.out_whole[r]);
+    free(t.out_split[r]);
+  }
+  tu_world_destroy(&t.w);
+  tu_moe_free(&t.m);
+  return tu_end();
+}
