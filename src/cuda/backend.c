@@ -534,13 +534,10 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
     ch->ll_route_pending = true;
     return EPX_SUCCESS;
   }
-  /* Low-latency buffers are sized once, for max_tokens_per_rank; a larger T is refused on
-   * the device, by every rank. */
-  const int64_t cap = ll ? c->cfg.max_tokens_per_rank : r->num_tokens;
-  epx_status_t grown = ensure_tokens(c, ch, cap, st);
+  epx_status_t grown = ensure_tokens(c, ch, r->num_tokens, st);
   if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_NOTIFY, grown);
   epxc_shape_t s = shape_of(c, h);
-  LAUNCH_TRY(epxc_notify_build(&s, ch->dev, &ch->host, r->num_tokens, ll ? cap : r->num_tokens, r->topk_idx,
+  LAUNCH_TRY(epxc_notify_build(&s, ch->dev, &ch->host, r->num_tokens, r->topk_idx,
                                r->idx_dtype, r->topk_idx ? r->topk_weights : NULL,
                                r->topk_idx ? NULL : r->routing_map, r->topk_idx ? NULL : r->probs, st),
              "notify kernels");
@@ -548,7 +545,7 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY, words, &ch->dev->status, st), "notify exchange");
   LAUNCH_TRY(epxc_notify_finish(&s, &cc->group, ch->dev, st), "notify finish");
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY_DONE, NULL, NULL, st), "notify closing exchange");
-  if (!h->hc.exact || ll) return EPX_SUCCESS;
+  if (!h->hc.exact) return EPX_SUCCESS;
 
   /* Exact sizes: wait for the counts. */
   plan_summary_t *sum = ch->summary;

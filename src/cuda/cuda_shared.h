@@ -210,7 +210,7 @@ int epxc_exchange(const epxc_group_t *g, int phase, const uint64_t *words, const
 /* notify: normalise and validate the routing, build bitmaps and counts (bits and counts must
  * be zeroed by the caller); then prefix popcounts. */
 int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host, int64_t num_tokens,
-                      int64_t capacity, const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
+                      const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
                       const uint8_t *routing_map, const float *probs, void *stream);
 /* after the exchange of plan pointers: the receive side of the plan */
 int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream);

@@ -37,15 +37,13 @@ extern "C" int epxc_layout(const epxc_shape_t *s, int64_t T, const void *topk_id
 /* ---- notify ------------------------------------------------------------------------------ */
 
 /* One thread per token: normalise, validate, set bits, count. Bits and counts start zeroed. */
-static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T, int64_t capacity,
-                                    const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
-                                    const uint8_t *map, const float *probs) {
+static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T, const void *topk_idx,
+                                    epx_dtype_t idx_dtype, const float *topk_weights, const uint8_t *map,
+                                    const float *probs) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    plan->num_tokens = T > capacity ? 0 : T; /* too many: nothing of this rank is read */
+    plan->num_tokens = T;
     plan->refused = EPX_SUCCESS;
-    if (T > capacity) atomicMin((unsigned long long *)&plan->bad_key, (unsigned long long)EPX_ERR_LL_OVERFLOW);
   }
-  if (T > capacity) return;
   int32_t ids[EPX_MAX_TOPK];
   float ws[EPX_MAX_TOPK];
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
@@ -68,15 +66,15 @@ static __global__ void status_kernel(epxc_plan_t *plan) {
 }
 
 extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host,
-                                 int64_t T, int64_t capacity, const void *topk_idx, epx_dtype_t idx_dtype,
-                                 const float *topk_weights, const uint8_t *map, const float *probs, void *stream) {
+                                 int64_t T, const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
+                                 const uint8_t *map, const float *probs, void *stream) {
   cudaStream_t st = (cudaStream_t)stream;
   const int64_t W = plan_host->words, R = s->nranks, E = s->num_experts;
   cudaMemsetAsync(plan_host->rank_bits, 0, sizeof(uint32_t) * R * W, st);
   cudaMemsetAsync(plan_host->exp_bits, 0, sizeof(uint32_t) * E * W, st);
   cudaMemsetAsync(plan_host->counts, 0, sizeof(int32_t) * (R + E), st);
   cudaMemsetAsync(&plan_dev->bad_key, 0xff, sizeof(uint64_t), st);
-  build_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev, T, capacity, topk_idx, idx_dtype, topk_weights, map, probs);
+  build_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev, T, topk_idx, idx_dtype, topk_weights, map, probs);
   prefix_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev);
   status_kernel<<<1, 1, 0, st>>>(plan_dev);
   return (int)cudaGetLastError();
