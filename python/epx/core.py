@@ -1269,6 +1269,9 @@ class Handle:
         with fe.on_stream(self.comm, keep[0][1]):
             st = _lib.load().epx_notify(self.comm._p(), self._p(), ctypes.byref(r))
         _check(st, "epx_notify")
+        # CUDA low-latency handles plan inside the dispatch that follows: the routing (and
+        # any converted copy of it) must live until then.
+        self._routing_keep = keep
         self._planned(T)
 
     def info(self) -> HandleInfo:
