@@ -702,7 +702,30 @@ class DispatchResult:
 # =============================================================================================
 
 
-class World:
+class _Owned:
+    """Life cycle shared by World, Comm and Handle: a context manager whose close() frees the C
+    object. Garbage collection may finalise an object and its children in any order (a cycle):
+    it frees one only when no child is open (_collectable), else leaks it rather than free it
+    under them."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _collectable(self) -> bool:
+        return True
+
+    def __del__(self):
+        try:
+            if getattr(self, "_ptr", None) is not None and self._collectable():
+                self.close()
+        except Exception:
+            pass
+
+
+class World(_Owned):
     """The ranks this process drives.
 
     ``World(nranks, backend)`` is a *local* world: every rank of the group lives in this
@@ -901,20 +924,8 @@ class World:
         ptr, self._ptr = self._ptr, None
         _check(_lib.load().epx_world_destroy(ptr), "epx_world_destroy")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        # Garbage collection may finalise a world and its comms in any order (a cycle):
-        # free it only when no comm is open, else leak it rather than free it under them.
-        try:
-            if getattr(self, "_ptr", None) is not None and self._open_comms == 0:
-                self.close()
-        except Exception:
-            pass
+    def _collectable(self) -> bool:
+        return self._open_comms == 0
 
     def __repr__(self):
         state = "closed" if self._ptr is None else f"{self.backend}, {self._nranks} ranks, driving {self._ranks}"
@@ -980,7 +991,7 @@ def _unique_id_struct(u) -> _lib.UniqueId:
 # =============================================================================================
 
 
-class Comm:
+class Comm(_Owned):
     """One rank's endpoint. Creating it is collective: every rank of the group creates its
     comm with the same config (compared across ranks: a difference raises
     :class:`ConfigMismatchError` on every rank). ``config`` and keyword overrides build a
@@ -1098,18 +1109,8 @@ class Comm:
             self.world._open_comms -= 1
         _check(_lib.load().epx_comm_destroy(ptr), "epx_comm_destroy")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            if getattr(self, "_ptr", None) is not None and self._open_handles == 0:
-                self.close()
-        except Exception:
-            pass
+    def _collectable(self) -> bool:
+        return self._open_handles == 0
 
     def __repr__(self):
         c = self._config
@@ -1177,7 +1178,7 @@ def _routing(fe, comm: Comm, topk_idx, topk_weights, routing_map, probs):
 # =============================================================================================
 
 
-class Handle:
+class Handle(_Owned):
     """The plan of one dispatch, reused by combine and by both backward passes.
 
     ``algo``: 'ht' (high-throughput: training, prefill), 'll' (low-latency, fixed shapes:
@@ -1533,17 +1534,6 @@ class Handle:
             self.comm._open_handles -= 1
         _check(_lib.load().epx_handle_destroy(ptr), "epx_handle_destroy")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         return (f"<epx.Handle {self.algo} {self.layout} align={self._align} rank {self.comm.rank}"
