@@ -71,6 +71,7 @@ static const char *const phase_names[EPXC_PH_COUNT] = {
     [EPXC_PH_DISPATCH] = "dispatch",   [EPXC_PH_DISPATCH_DONE] = "dispatch (closing)",
     [EPXC_PH_COMBINE] = "combine",     [EPXC_PH_COMBINE_DONE] = "combine (closing)",
     [EPXC_PH_LL_DISPATCH] = "low-latency dispatch", [EPXC_PH_LL_COMBINE] = "low-latency combine",
+    [EPXC_PH_LAYOUT] = "layout",
 };
 
 static bool fatal_status(int s) { return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST; }
@@ -509,7 +510,7 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   EPX_CHECK(split_order(c, NULL, false, EPX_PART_ALL));
   CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
-  LAUNCH_TRY(epxc_layout(&CC(c)->shape, r->num_tokens, r->topk_idx, r->idx_dtype, r->topk_idx ? NULL : r->routing_map,
+  LAUNCH_TRY(epxc_layout(&CC(c)->shape, &CC(c)->group, r->num_tokens, r->topk_idx, r->idx_dtype, r->topk_idx ? NULL : r->routing_map,
                          tokens_per_rank, tokens_per_expert, is_token_in_rank, op_stream(c)),
              "layout kernel");
   return EPX_SUCCESS;

@@ -60,6 +60,7 @@ typedef enum {
   EPXC_PH_COMBINE_DONE,
   EPXC_PH_LL_DISPATCH,
   EPXC_PH_LL_COMBINE,
+  EPXC_PH_LAYOUT,
   EPXC_PH_COUNT
 } epxc_phase_t;
 
@@ -215,7 +216,7 @@ int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_p
 /* after the exchange of plan pointers: the receive side of the plan */
 int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream);
 
-int epxc_layout(const epxc_shape_t *s, int64_t num_tokens, const void *topk_idx, epx_dtype_t idx_dtype,
+int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t num_tokens, const void *topk_idx, epx_dtype_t idx_dtype,
                 const uint8_t *routing_map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
                 uint8_t *is_token_in_rank, void *stream);
 

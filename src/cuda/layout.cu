@@ -2,14 +2,21 @@
  * and, once every rank's counts are known, where each row lands. */
 #include "cuda/common.cuh"
 
-static __global__ void layout_kernel(epxc_shape_t s, int64_t T, const void *topk_idx, epx_dtype_t idx_dtype,
-                                     const uint8_t *map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
-                                     uint8_t *is_token_in_rank) {
+/* A token whose routing is refused counts nowhere and is in no rank; the refusal is this
+ * rank's recoverable error, reported by epx_comm_synchronize. */
+static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, const void *topk_idx,
+                                     epx_dtype_t idx_dtype, const uint8_t *map, int32_t *tokens_per_rank,
+                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   int32_t ids[EPX_MAX_TOPK];
   float ws[EPX_MAX_TOPK];
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
     int bad;
-    if (read_route(&s, t, topk_idx, idx_dtype, NULL, map, NULL, ids, ws, &bad) != EPX_SUCCESS) continue;
+    const int st = read_route(&s, t, topk_idx, idx_dtype, NULL, map, NULL, ids, ws, &bad);
+    if (st != EPX_SUCCESS) {
+      record_error(&g, st, EPXC_PH_LAYOUT, g.rank, t);
+      for (int d = 0; d < s.nranks && is_token_in_rank; d++) is_token_in_rank[t * s.nranks + d] = 0;
+      continue;
+    }
     uint64_t ranks = 0;
     for (int k = 0; k < s.topk; k++) {
       if (ids[k] < 0) continue;
@@ -24,13 +31,15 @@ static __global__ void layout_kernel(epxc_shape_t s, int64_t T, const void *topk
   }
 }
 
-extern "C" int epxc_layout(const epxc_shape_t *s, int64_t T, const void *topk_idx, epx_dtype_t idx_dtype,
-                           const uint8_t *map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,
-                           uint8_t *is_token_in_rank, void *stream) {
+extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t T, const void *topk_idx,
+                           epx_dtype_t idx_dtype, const uint8_t *map, int32_t *tokens_per_rank,
+                           int32_t *tokens_per_expert, uint8_t *is_token_in_rank, void *stream) {
   cudaStream_t st = (cudaStream_t)stream;
   if (tokens_per_rank) cudaMemsetAsync(tokens_per_rank, 0, sizeof(int32_t) * s->nranks, st);
   if (tokens_per_expert) cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * s->num_experts, st);
-  if (T > 0) layout_kernel<<<s->num_sms, 256, 0, st>>>(*s, T, topk_idx, idx_dtype, map, tokens_per_rank, tokens_per_expert, is_token_in_rank);
+  if (T > 0)
+    layout_kernel<<<s->num_sms, 256, 0, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank, tokens_per_expert,
+                                              is_token_in_rank);
   return (int)cudaGetLastError();
 }
 
