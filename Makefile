@@ -29,6 +29,7 @@ test-release: build
 # without torch, GPU tests without a GPU). pytest's exit 5 (nothing collected) is no pass.
 test-python: build
 	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+	PYTHONPATH=python $(PYTHON) examples/train_moe.py
 
 # `pip install .` into a fresh venv, then the Python tests against the installed package.
 test-install:
