@@ -219,7 +219,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
         if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
       }
       const void *in = row_at(stage, src_dtype, t, H);
-      if (src_dtype != a.recv_dtype) {
+      if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */
         convert_row(in, src_dtype, a.recv_dtype, H, dst, dscale, factor, scaled, m);
       } else {
         copy_row_raw(in, dst, m, (int64_t)row_bytes);
