@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
-#   scripts/gpu_check.sh [tests|bench|all]      (default all)
+#   scripts/gpu_check.sh [tests|bench|nvlink|all]   (default all; nvlink needs 2+ GPUs)
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,25 +54,45 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   run bench-ll128-ht        $b --tokens 128 --iters 50 --layout expert --graph --check
 fi
 
+# Several GPUs (issue 7): one rank per GPU through NVLink, and the NCCL all-to-all baseline of
+# the same shape (one process per GPU).
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+if { [ "$what" = nvlink ] || [ "$what" = all ]; } && [ "$ngpu" -ge 2 ]; then
+  b="$build/epx-bench --backend cuda --json --ranks $ngpu"
+  run "nvlink-ds3-expert-ep$ngpu"  $b --tokens 4096 --iters 10 --layout expert --align 128 --check
+  run "nvlink-ds3-fp8-ep$ngpu"     $b --tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128
+  run "nvlink-prefill32k-ep$ngpu"  $b --tokens 32768 --iters 5 --layout expert --align 128
+  run "nvlink-ll128-ep$ngpu"       $b --tokens 128 --iters 50 --mode ll --graph --check
+  run "nccl-ds3-ep$ngpu"     python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 4096 --iters 10
+  run "nccl-prefill32k-ep$ngpu" python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 32768 --iters 5
+fi
+
 echo
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
-grep -h '^{' "$logs"/bench-*.log 2>/dev/null > "$out/bench.jsonl" || true
+grep -h '^{' "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/nccl-*.log 2>/dev/null > "$out/bench.jsonl" || true
 # fused path against the all-to-all baseline, same shape (dispatch + combine)
 python3 - "$out/bench.jsonl" <<'PY' || true
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-key = lambda r: (r["tokens"], r["layout"], r["recv_dtype"])
-for r in runs:
-    if r["mode"] != "ht": continue
-    for b in runs:
+epx = [r for r in runs if "mode" in r]
+key = lambda r: (r["ranks"], r["tokens"], r["layout"], r["recv_dtype"])
+total = lambda r: r["dispatch_ms"] + r["combine_ms"]
+for r in epx:
+    if r["mode"] != "ht":
+        continue
+    for b in epx:
         if b["mode"] == "a2a" and key(b) == key(r):
-            f, a = r["dispatch_ms"] + r["combine_ms"], b["dispatch_ms"] + b["combine_ms"]
-            print(f"speedup over all-to-all, {r['tokens']} tokens/rank, {r['layout']} layout: {a / f:.2f}x "
-                  f"({f:.3f} ms fused vs {a:.3f} ms baseline, dispatch + combine)")
+            print(f"speedup over the all-to-all baseline, EP{r['ranks']} {r['tokens']} tokens/rank, {r['layout']}: "
+                  f"{total(b) / total(r):.2f}x ({total(r):.3f} ms vs {total(b):.3f} ms, dispatch + combine)")
+    for n in runs:
+        if n.get("baseline", "").startswith("nccl") and (n["ranks"], n["tokens"]) == (r["ranks"], r["tokens"]) \
+                and r["recv_dtype"] == "bfloat16":
+            print(f"speedup over NCCL all-to-all, EP{r['ranks']} {r['tokens']} tokens/rank: {total(n) / total(r):.2f}x "
+                  f"({total(r):.3f} ms vs {total(n):.3f} ms)")
 PY
-for f in "$logs"/bench-*.log; do
+for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/nccl-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"
-  grep -E '^(copy|dispatch|combine|notify|check)' "$f"
+  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|\{"baseline)' "$f"
 done

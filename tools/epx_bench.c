@@ -33,6 +33,7 @@ static const char *const phase_names[PH_COUNT] = {"layout", "notify", "dispatch"
 /* What each rank receives and sends, counted from the routing on the host. */
 typedef struct {
   int64_t recv_tokens, recv_pairs, recv_rows, sent_copies;
+  int64_t sent_remote, recv_remote; /* the same, leaving out a rank's own tokens */
 } sizes_t;
 
 typedef struct {
@@ -394,8 +395,11 @@ static void count_sizes(bench_t *b) {
         ranks |= 1ull << (e / L);
         pairs[e]++;
       }
-      for (int d = 0; d < R; d++)
-        if ((ranks >> d) & 1) b->size[d].recv_tokens++, b->size[s].sent_copies++;
+      for (int d = 0; d < R; d++) {
+        if (!((ranks >> d) & 1)) continue;
+        b->size[d].recv_tokens++, b->size[s].sent_copies++;
+        if (d != s) b->size[d].recv_remote++, b->size[s].sent_remote++;
+      }
     }
   for (int d = 0; d < R; d++) {
     for (int l = 0; l < L; l++) {
@@ -551,6 +555,21 @@ int main(int argc, char **argv) {
     printf("link bytes: rows that cross between ranks (a token crosses to a rank once); floor: bytes each phase\n"
            "reads and writes in memory over the copy bandwidth; times: median over %d iterations of the slowest rank\n",
            o->iters);
+    /* With a GPU per rank the floor is the link: the busiest rank's max(sent, received) over
+     * NVLink 4's 450 GB/s per direction. */
+    double busiest = 0;
+    for (int r = 0; r < o->ranks; r++) {
+      const double n = (double)(b.size[r].sent_remote > b.size[r].recv_remote ? b.size[r].sent_remote : b.size[r].recv_remote);
+      if (n > busiest) busiest = n;
+    }
+    const double dispatch_link = busiest * o->hidden * ((double)esize(o->recv_dtype) + (o->recv_dtype == EPX_FP8_E4M3 ? 4.0 * fp8_blocks(o->hidden) / o->hidden : 0.0));
+    const double combine_link = busiest * o->hidden * (double)esize(o->x_dtype);
+    printf("with a GPU per rank (NVLink 450 GB/s): dispatch floor %.3f ms, %.0f GB/s per GPU (%.0f%%); combine floor "
+           "%.3f ms, %.0f GB/s per GPU (%.0f%%)\n",
+           dispatch_link / 450e9 * 1e3, dispatch_link / (phase_ms(&b, PH_DISPATCH) * 1e-3) * 1e-9,
+           100.0 * dispatch_link / 450e9 * 1e3 / phase_ms(&b, PH_DISPATCH), combine_link / 450e9 * 1e3,
+           combine_link / (phase_ms(&b, PH_COMBINE) * 1e-3) * 1e-9,
+           100.0 * combine_link / 450e9 * 1e3 / phase_ms(&b, PH_COMBINE));
     if (o->json) {
       printf("{\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
              "\"recv_dtype\":\"%s\",\"mode\":\"%s\",\"layout\":\"%s\",\"num_sms\":%d,\"seed\":%" PRIu64
