@@ -15,7 +15,6 @@
 typedef struct {
   epxc_error_t *errors_host; /* [R], host-mapped */
   epxc_error_t *errors_dev;
-  epxc_state_t *states[EPX_MAX_RANKS];
 } cuda_world_t;
 
 typedef struct {
@@ -32,7 +31,7 @@ typedef struct {
   epxc_shape_t shape;
 } cuda_comm_t;
 
-/* What the host learns of a plan in exact mode (pinned). */
+/* What the host learns of a plan in exact mode. */
 typedef struct {
   int32_t status, group_status;
   uint64_t bad_key;
@@ -46,8 +45,8 @@ typedef struct {
   void *partials;          /* combine's per-token partials */
   size_t partial_bytes;
   int64_t recv_capacity;   /* last dispatch's, sizes the partials in sync-free mode */
-  int64_t num_tokens;        /* T of the last plan, as the host knows it */
-  epxc_a2a_t a2a;            /* all-to-all baseline buffers */
+  int64_t num_tokens;      /* T of the last plan, as the host knows it */
+  epxc_a2a_t a2a;          /* all-to-all baseline buffers */
   size_t a2a_send_bytes, a2a_stage_bytes;
   void *a2a_back;            /* all-to-all combine: rows pulled back */
   size_t a2a_back_bytes;
@@ -117,7 +116,7 @@ static bool capturing(cudaStream_t st) {
  * without its SEND; records a new SEND. Every rank makes the same calls, so every rank
  * refuses alike. */
 static epx_status_t split_order(const epx_comm_t *c, const epx_handle_t *h, bool combine, epx_part_t part) {
-  cuda_comm_t *cc = (cuda_comm_t *)c->impl;
+  cuda_comm_t *cc = CC(c);
   const bool split = h && h->hc.algo == EPX_ALGO_LL;
   if (cc->pending) {
     if (split && part == EPX_PART_COMPLETE && cc->pending == h && cc->pending_combine == combine) {
