@@ -35,6 +35,7 @@ torch.manual_seed(0)
 router = (torch.randn(H, E) * 0.05).to(dev)
 experts = (torch.randn(E, H, H) / H ** 0.5).to(dev, dtype)  # expert e: y = x @ experts[e]
 barrier = threading.Barrier(R)
+capture = threading.Lock()  # torch's graph capture syncs the device on entry: one rank at a time
 
 
 def moe(disp, x):
@@ -57,8 +58,8 @@ def rank(r):
         prompt = torch.randn(a.prompt, H, generator=g).to(dev, dtype)
         t0 = time.perf_counter()
         h = moe(disp, prompt)
-        if cuda:
-            torch.cuda.synchronize(dev)
+        if cuda:  # this rank's stream only: a device-wide sync would wait on peers' kernels
+            comm.synchronize()
         t_prefill = time.perf_counter() - t0
 
         disp.set_mode("decode")  # prefill -> decode: one call
@@ -66,16 +67,14 @@ def rank(r):
         x = tokens[0].clone()
         outs = []
         t0 = time.perf_counter()
-        if cuda:
-            s = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                moe(disp, x)  # warm-up: sizes the handle's buffers outside the graph
-            s.synchronize()
-            barrier.wait()
+        if cuda:  # World.run gave this rank its own stream
+            s = torch.cuda.current_stream(dev)
+            moe(disp, x)  # warm-up: sizes the handle's buffers outside the graph
+            comm.synchronize()
+            barrier.wait()  # every rank's warm-up is done before anyone captures
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s, capture_error_mode="thread_local"):
-                y = moe(disp, x)
+            with capture, torch.cuda.graph(graph, stream=s, capture_error_mode="thread_local"):
+                y = moe(disp, x)  # captured, not run: nothing waits on a peer here
             barrier.wait()
             t0 = time.perf_counter()
             for tok in tokens:
@@ -87,6 +86,7 @@ def rank(r):
             for tok in tokens:
                 outs.append(moe(disp, tok).float().sum().item())
         t_decode = (time.perf_counter() - t0) / a.steps
+        barrier.wait()  # peers may still read this rank's buffers until they are done too
         disp.close()
         return h.float().sum().item(), outs, t_prefill, t_decode
 

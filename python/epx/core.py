@@ -742,6 +742,7 @@ class World(_Owned):
         lib = _lib.load()
         if not isinstance(nranks, (int, np.integer)) or isinstance(nranks, bool):
             _arg_error(f"nranks must be an int, got {nranks!r}")
+        self._devices = list(devices) if devices is not None else None
         wc, keep = self._world_config(int(nranks), backend, devices)
         p = ctypes.c_void_p()
         _check(lib.epx_world_create(ctypes.byref(wc), ctypes.byref(p)), "epx_world_create")
@@ -903,6 +904,21 @@ class World(_Owned):
         return self.run(lambda r: Comm(self, r, config, **kw))
 
     # -- running ranks -----------------------------------------------------------------------
+    def device_of(self, rank: int) -> Optional[int]:
+        """The CUDA device of a rank this world drives (None on the host backend)."""
+        if self.backend != "cuda":
+            return None
+        devices = getattr(self, "_devices", None)
+        if devices is not None and devices[rank] >= 0:
+            return int(devices[rank])
+        import torch  # the CUDA backend from Python means torch tensors
+        return rank % max(torch.cuda.device_count(), 1)
+
+    def shares_device(self, rank: int) -> bool:
+        """True when another rank of this process runs on the same GPU."""
+        d = self.device_of(rank)
+        return d is not None and sum(1 for r in self._ranks if self.device_of(r) == d) > 1
+
     def run(self, fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
         """Runs ``fn(rank, *args, **kwargs)`` for every rank this process drives, each on its
         own thread (ctypes releases the GIL, so the collectives inside meet), and returns the
@@ -910,9 +926,22 @@ class World(_Owned):
         re-raised once every thread has finished, with ``.rank`` set and the other ranks'
         exceptions in ``.rank_errors``. A one-rank world runs ``fn`` on the calling thread."""
         ranks = list(self._ranks)
+        if self.backend == "cuda":
+            fn = self._on_own_stream(fn)
         if len(ranks) == 1:
             return [fn(ranks[0], *args, **kwargs)]
         return run_threads(ranks, fn, *args, **kwargs)
+
+    def _on_own_stream(self, fn):
+        """Each rank thread gets its device and a stream of its own: ranks that shared torch's
+        default stream would queue behind each other's kernels, which wait on each other."""
+        import torch
+
+        def body(rank, *args, **kwargs):
+            dev = torch.device("cuda", self.device_of(rank))
+            with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+                return fn(rank, *args, **kwargs)
+        return body
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -1126,6 +1155,10 @@ def _device_check(fe, comm: Comm, a, name: str) -> str:
     if comm.backend == "cuda" and not dev.startswith("cuda"):
         raise DeviceError(Status.INVALID_ARGUMENT,
                           f"{name} is on {dev} but the comm's backend is 'cuda': pass CUDA tensors")
+    if comm.backend == "cuda":
+        want = f"cuda:{comm.world.device_of(comm.rank)}"
+        if dev != want:
+            raise DeviceError(Status.INVALID_ARGUMENT, f"{name} is on {dev} but rank {comm.rank} runs on {want}")
     return dev
 
 
@@ -1396,12 +1429,17 @@ class Handle(_Owned):
                 if not ok:
                     _shape_error(f"recv_scales has shape {tuple(fe.shape(recv_scales))}, expected {lead + (blocks,)}")
                 _output(fe, recv_scales, "recv_scales", None, (DType.FLOAT32,))
+                _device_check(fe, c, recv_scales, "recv_scales")
         elif recv_scales is not None:
             _arg_error("recv_scales is for fp8 dispatch only")
 
         token = self._layout == _LayoutKind.TOKEN
+        # rows past the received count (unknown on the host in sync-free mode) read as "no
+        # expert" rather than as garbage ids
         rtopk = fe.alloc((cap, K), DType.INT32, device=dev, zero=False) if token else None
-        rw = fe.alloc((cap, K), DType.FLOAT32, device=dev, zero=False) if token else None
+        if rtopk is not None and rows_known is None:
+            rtopk[...] = -1
+        rw = fe.alloc((cap, K), DType.FLOAT32, device=dev, zero=rows_known is None) if token else None
         rprobs = None if token else fe.alloc(lead, DType.FLOAT32, device=dev, zero=True)
         counts = fe.alloc((L,), DType.INT32, device=dev, zero=True)
         nrows = fe.alloc((1,), DType.INT64, device=dev, zero=True)

@@ -179,6 +179,12 @@ class _TorchFrontend:
             comm.set_stream(cur.cuda_stream)
             yield
             return
+        if comm.world.shares_device(comm.rank):
+            from .core import DeviceError, Status
+            raise DeviceError(Status.INVALID_ARGUMENT,
+                              f"rank {comm.rank} shares {device} with other ranks of this process but runs on "
+                              "torch's default stream, which would queue the ranks behind each other: run the "
+                              "ranks through World.run, or give each its own stream (torch.cuda.stream(...))")
         side = getattr(comm, "_torch_side_streams", {}).get(device)
         if side is None:
             side = torch.cuda.Stream(device=dev)
