@@ -1,6 +1,6 @@
 /* test_split: an operation issued as SEND then COMPLETE gives the bits of the whole
- * operation (the host backend does all its work in SEND), and COMPLETE reuses what SEND was
- * given: its own arguments are not read. */
+ * operation (the host backend does all its work in SEND), COMPLETE reuses what SEND was
+ * given (its own arguments are not read), and calls out of order are refused without harm. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,7 +11,8 @@ enum { R = 3, E = 12, K = 3, H = 32 };
 typedef struct {
   tu_world_t w;
   tu_moe_t m;
-  void *out_whole[R], *out_split[R];
+  void *out_whole[R], *out_split[R], *out_after[R];
+  int refusals[R];
   epx_status_t st[R];
 } split_t;
 
@@ -42,6 +43,30 @@ static epx_status_t layer(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t
   return s;
 }
 
+/* Between a SEND and its COMPLETE nothing else may run, and a COMPLETE needs its SEND:
+ * refused locally on every rank alike, the outstanding SEND unharmed. */
+static int order_refusals(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *rt, const void *x) {
+  epx_combine_args_t c;
+  epx_combine_args_init(&c);
+  c.part = EPX_PART_COMPLETE;
+  int refused = epx_combine(comm, h, &c) == EPX_ERR_INVALID_ARGUMENT; /* COMPLETE with no SEND */
+  const int64_t cap = (int64_t)R * 64 * K;
+  float *recv = calloc((size_t)cap * H, sizeof(float));
+  epx_dispatch_args_t d;
+  epx_dispatch_args_init(&d);
+  d.x = x, d.x_dtype = d.recv_dtype = EPX_FLOAT32, d.recv_x = recv, d.recv_capacity = cap;
+  d.part = EPX_PART_SEND;
+  int sent = epx_dispatch(comm, h, rt, &d) == EPX_SUCCESS;
+  refused += epx_notify(comm, h, rt) == EPX_ERR_INVALID_ARGUMENT;         /* another op in between */
+  epx_combine_args_init(&c);
+  c.y = recv, c.y_dtype = c.out_dtype = EPX_FLOAT32, c.out = recv;
+  refused += epx_combine(comm, h, &c) == EPX_ERR_INVALID_ARGUMENT;        /* not the half pending */
+  d.part = EPX_PART_COMPLETE;
+  int completed = epx_dispatch(comm, h, NULL, &d) == EPX_SUCCESS;
+  free(recv);
+  return sent && completed ? refused : -1;
+}
+
 static epx_status_t rank_main(int r, void *arg) {
   split_t *t = arg;
   epx_handle_config_t hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 4);
@@ -50,6 +75,8 @@ static epx_status_t rank_main(int r, void *arg) {
   epx_routing_t rt = tu_routing(&t->m, r, TU_FORM_TOPK32);
   if (s == EPX_SUCCESS) s = layer(t->w.comm[r], h, &rt, t->m.x[r], t->out_whole[r], 0);
   if (s == EPX_SUCCESS) s = layer(t->w.comm[r], h, &rt, t->m.x[r], t->out_split[r], 1);
+  if (s == EPX_SUCCESS) t->refusals[r] = order_refusals(t->w.comm[r], h, &rt, t->m.x[r]);
+  if (s == EPX_SUCCESS) s = layer(t->w.comm[r], h, &rt, t->m.x[r], t->out_after[r], 1); /* still works */
   epx_handle_destroy(h);
   t->st[r] = s;
   return s;
@@ -66,13 +93,18 @@ int main(void) {
   for (int r = 0; r < R; r++) {
     t.out_whole[r] = tu_alloc_poison(sizeof(float) * (size_t)(T[r] * H + 1));
     t.out_split[r] = tu_alloc_poison(sizeof(float) * (size_t)(T[r] * H + 1));
+    t.out_after[r] = tu_alloc_poison(sizeof(float) * (size_t)(T[r] * H + 1));
   }
   epx_run_ranks(R, rank_main, &t, NULL);
   for (int r = 0; r < R; r++) {
     CHECK_STATUS(t.st[r], EPX_SUCCESS, "rank %d", r);
     tu_check_bits("SEND + COMPLETE against the whole operation", EPX_FLOAT32, t.out_split[r], t.out_whole[r], T[r] * H, H);
+    CHECK(t.refusals[r] == 3, "rank %d: %d of 3 out-of-order calls refused (-1: the SEND/COMPLETE pair failed)", r,
+          t.refusals[r]);
+    tu_check_bits("the layer after the refusals", EPX_FLOAT32, t.out_after[r], t.out_whole[r], T[r] * H, H);
     free(t.out_whole[r]);
     free(t.out_split[r]);
+    free(t.out_after[r]);
   }
   tu_world_destroy(&t.w);
   tu_moe_free(&t.m);

@@ -281,7 +281,8 @@ epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream) {
 
 /* Marks the comm broken when the group failed under the call. */
 static epx_status_t collective_result(epx_comm_t *comm, epx_status_t s) {
-  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN) comm->broken = true;
+  /* a CUDA call that failed mid-operation left the peers waiting for the rest of it */
+  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN || s == EPX_ERR_CUDA) comm->broken = true;
   return s;
 }
 
@@ -301,6 +302,32 @@ static epx_status_t check_comm(epx_comm_t *comm, const char *op) {
   return EPX_SUCCESS;
 }
 
+/* The SEND/COMPLETE rule, before an operation touches anything: between a SEND and its
+ * COMPLETE (same handle, same operation) nothing else may run on the comm, and a COMPLETE
+ * needs its SEND. Every rank makes the same calls, so every rank refuses alike. */
+static epx_status_t check_order(const epx_comm_t *comm, const epx_handle_t *handle, bool combine, epx_part_t part,
+                                const char *op) {
+  const bool complete = part == EPX_PART_COMPLETE;
+  if (comm->pending) {
+    if (complete && comm->pending == handle && comm->pending_combine == combine) return EPX_SUCCESS;
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s on rank %d: a %s SEND is outstanding on this comm: COMPLETE it first",
+                     op, comm->rank, comm->pending_combine ? "combine" : "dispatch");
+  }
+  if (complete) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s on rank %d: COMPLETE without a SEND before it", op, comm->rank);
+  return EPX_SUCCESS;
+}
+
+/* After the call: a successful SEND is outstanding; a COMPLETE (done or not) is not. */
+static epx_status_t track_order(epx_comm_t *comm, const epx_handle_t *handle, bool combine, epx_part_t part,
+                                epx_status_t s) {
+  if (part == EPX_PART_COMPLETE) comm->pending = NULL;
+  if (part == EPX_PART_SEND && s == EPX_SUCCESS) {
+    comm->pending = handle;
+    comm->pending_combine = combine;
+  }
+  return s;
+}
+
 epx_status_t epx_comm_synchronize(epx_comm_t *comm) {
   epxi_clear_error();
   if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_synchronize: comm is NULL");
@@ -314,6 +341,7 @@ epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int3
                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_get_layout"));
+  EPX_CHECK(check_order(comm, NULL, false, EPX_PART_ALL, "epx_get_layout"));
   EPX_CHECK(epxi_check_routing_form(routing));
   return comm->world->ops->get_layout(comm, routing, tokens_per_rank, tokens_per_expert, is_token_in_rank);
 }
@@ -354,6 +382,7 @@ epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, 
 
 epx_status_t epx_handle_destroy(epx_handle_t *handle) {
   if (!handle) return EPX_SUCCESS;
+  if (handle->comm->pending == handle) handle->comm->pending = NULL;
   handle->comm->world->ops->handle_destroy(handle);
   free(handle);
   return EPX_SUCCESS;
@@ -377,16 +406,26 @@ static epx_status_t fail_collective(epx_comm_t *comm, epx_handle_t *handle, epxi
   return epxi_fail(bad, "%s", msg);
 }
 
+/* The plan itself, for epx_notify and for epx_dispatch with a routing (which then aborts
+ * both operations on a failing rank, as its peers go on to dispatch). */
+static epx_status_t plan(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing, bool dispatch_follows) {
+  handle->planned = false;
+  epx_status_t bad = epxi_check_routing_form(routing);
+  if (bad != EPX_SUCCESS)
+    return fail_collective(comm, handle, dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, bad);
+  handle->dispatch_follows = dispatch_follows;
+  epx_status_t s = collective_result(comm, comm->world->ops->notify(comm, handle, routing));
+  handle->dispatch_follows = false;
+  handle->planned = s == EPX_SUCCESS;
+  return s;
+}
+
 epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_notify"));
   EPX_CHECK(check_handle(comm, handle, false, "epx_notify"));
-  handle->planned = false;
-  epx_status_t bad = epxi_check_routing_form(routing);
-  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_NOTIFY, bad);
-  epx_status_t s = collective_result(comm, comm->world->ops->notify(comm, handle, routing));
-  handle->planned = s == EPX_SUCCESS;
-  return s;
+  EPX_CHECK(check_order(comm, handle, false, EPX_PART_ALL, "epx_notify"));
+  return plan(comm, handle, routing, false);
 }
 
 epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info, int32_t *tokens_per_local_expert) {
@@ -446,10 +485,12 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_dispatch"));
   EPX_CHECK(check_handle(comm, handle, false, "epx_dispatch"));
-  if (args && args->part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
+  const epx_part_t part = args ? args->part : EPX_PART_ALL;
+  EPX_CHECK(check_order(comm, handle, false, part, "epx_dispatch"));
+  if (part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
     if (routing)
       return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the COMPLETE half takes no routing (SEND planned)");
-    return collective_result(comm, comm->world->ops->dispatch(comm, handle, args));
+    return track_order(comm, handle, false, part, collective_result(comm, comm->world->ops->dispatch(comm, handle, args)));
   }
   epx_status_t bad = check_dispatch_args(comm, args);
   if (bad == EPX_SUCCESS && !routing && !handle->planned)
@@ -459,8 +500,8 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
     if (routing) handle->planned = false;
     return fail_collective(comm, handle, routing ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH, bad);
   }
-  if (routing) EPX_CHECK(epx_notify(comm, handle, routing));
-  return collective_result(comm, comm->world->ops->dispatch(comm, handle, args));
+  if (routing) EPX_CHECK(plan(comm, handle, routing, true));
+  return track_order(comm, handle, false, part, collective_result(comm, comm->world->ops->dispatch(comm, handle, args)));
 }
 
 void epx_combine_args_init(epx_combine_args_t *args) {
@@ -488,13 +529,15 @@ epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combi
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_combine"));
   EPX_CHECK(check_handle(comm, handle, false, "epx_combine"));
-  if (args && args->part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
-    return collective_result(comm, comm->world->ops->combine(comm, handle, args));
+  const epx_part_t part = args ? args->part : EPX_PART_ALL;
+  EPX_CHECK(check_order(comm, handle, true, part, "epx_combine"));
+  if (part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
+    return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
   epx_status_t bad = check_combine_args(comm, args);
   if (bad == EPX_SUCCESS && !handle->planned)
     bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_combine: the handle has no plan yet (call epx_notify or dispatch)");
   if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad);
-  return collective_result(comm, comm->world->ops->combine(comm, handle, args));
+  return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
 }
 
 /* ---- running ranks on threads --------------------------------------------------------- */

@@ -131,6 +131,10 @@ struct epx_comm {
   epx_config_t cfg;      /* after defaults */
   void *stream;
   bool broken;
+  /* a SEND half whose COMPLETE has not come: nothing else may run on the comm until it does
+   * (its exchange would pair with the peers' COMPLETE) */
+  const struct epx_handle *pending;
+  bool pending_combine;
   void *impl;            /* backend's per-comm state */
 };
 
@@ -146,6 +150,7 @@ struct epx_handle {
   epx_comm_t *comm;
   epx_handle_config_t hc;
   bool planned;
+  bool dispatch_follows; /* during a notify made by epx_dispatch: a failing rank aborts both */
   void *impl;            /* backend's per-handle state */
 };
 

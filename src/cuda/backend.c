@@ -22,10 +22,6 @@ typedef struct {
   cudaStream_t own_stream;
   cudaStream_t last_stream; /* where the previous operation went */
   cudaEvent_t order;        /* orders an operation after the previous one when the stream changes */
-  /* a low-latency SEND whose COMPLETE has not come yet: nothing else may run on the comm in
-   * between (its exchange would pair with the peers' COMPLETE) */
-  const epx_handle_t *pending;
-  bool pending_combine;
   epxc_state_t *state;
   epxc_group_t group;
   epxc_shape_t shape;
@@ -110,30 +106,6 @@ static bool capturing(cudaStream_t st) {
   enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(st, &cs);
   return cs != cudaStreamCaptureStatusNone;
-}
-
-/* Refuses an operation that would run between a SEND and its COMPLETE, and a COMPLETE
- * without its SEND; records a new SEND. Every rank makes the same calls, so every rank
- * refuses alike. */
-static epx_status_t split_order(const epx_comm_t *c, const epx_handle_t *h, bool combine, epx_part_t part) {
-  cuda_comm_t *cc = CC(c);
-  const bool split = h && h->hc.algo == EPX_ALGO_LL;
-  if (cc->pending) {
-    if (split && part == EPX_PART_COMPLETE && cc->pending == h && cc->pending_combine == combine) {
-      cc->pending = NULL;
-      return EPX_SUCCESS;
-    }
-    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: a low-latency %s SEND is outstanding on this comm: COMPLETE it first",
-                     c->rank, cc->pending_combine ? "combine" : "dispatch");
-  }
-  if (split && part == EPX_PART_COMPLETE)
-    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: %s COMPLETE without a SEND before it", c->rank,
-                     combine ? "combine" : "dispatch");
-  if (split && part == EPX_PART_SEND) {
-    cc->pending = h;
-    cc->pending_combine = combine;
-  }
-  return EPX_SUCCESS;
 }
 
 static cudaStream_t stream_of(const epx_comm_t *c) {
@@ -507,7 +479,6 @@ static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx
 
 static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32_t *tokens_per_rank,
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
-  EPX_CHECK(split_order(c, NULL, false, EPX_PART_ALL));
   CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
   LAUNCH_TRY(epxc_layout(&CC(c)->shape, &CC(c)->group, r->num_tokens, r->topk_idx, r->idx_dtype, r->topk_idx ? NULL : r->routing_map,
                          tokens_per_rank, tokens_per_expert, is_token_in_rank, op_stream(c)),
@@ -518,7 +489,6 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
 static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  EPX_CHECK(split_order(c, NULL, false, EPX_PART_ALL));
   cudaStream_t st = op_stream(c);
   const bool ll = h->hc.algo == EPX_ALGO_LL;
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
@@ -535,7 +505,7 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
     return EPX_SUCCESS;
   }
   epx_status_t grown = ensure_tokens(c, ch, r->num_tokens, st);
-  if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_NOTIFY, grown);
+  if (grown != EPX_SUCCESS) return cuda_abort(c, h, h->dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, grown);
   epxc_shape_t s = shape_of(c, h);
   LAUNCH_TRY(epxc_notify_build(&s, ch->dev, &ch->host, r->num_tokens, r->topk_idx,
                                r->idx_dtype, r->topk_idx ? r->topk_weights : NULL,
@@ -607,12 +577,11 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
                        .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
   d.report_capacity = !ch->known;
   d.part = a->part;
-  EPX_CHECK(split_order(c, h, false, a->part));
   if (a->part == EPX_PART_COMPLETE) { /* SEND did it all, or (low-latency) left the rest */
     if (!s.ll) return EPX_SUCCESS;
     d = ch->ll_send_dispatch;
     d.part = EPX_PART_COMPLETE;
-    epxc_route_t none = {.num_tokens = ch->num_tokens};
+    epxc_route_t none = {.num_tokens = ch->num_tokens, .replay = 1};
     LAUNCH_TRY(epxc_ll_dispatch(&s, &cc->group, ch->ll_dev, &none, &d, st), "low-latency dispatch");
     return EPX_SUCCESS;
   }
@@ -626,7 +595,7 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
   if (s.ll) {
     /* the recorded routing, or (a replay) the last plan's own copy of it */
     const epx_routing_t *rt = &ch->ll_route;
-    epxc_route_t route = {.num_tokens = ch->num_tokens};
+    epxc_route_t route = {.num_tokens = ch->num_tokens, .replay = !ch->ll_route_pending};
     if (ch->ll_route_pending) {
       route.topk_idx = rt->topk_idx;
       route.idx_dtype = rt->idx_dtype;
@@ -672,7 +641,6 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
                       .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
                       .topk_weight_grad = a->topk_weight_grad};
   k.part = a->part;
-  EPX_CHECK(split_order(c, h, true, a->part));
   if (a->part == EPX_PART_COMPLETE) { /* SEND did it all, or (low-latency) left the rest */
     if (!s.ll) return EPX_SUCCESS;
     k = ch->ll_send_combine;
@@ -741,7 +709,6 @@ static void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t s
  * is two operations to the peers; an exact notify already stops them after the first. */
 static epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status) {
   cuda_comm_t *cc = CC(c);
-  if (cc->pending) return status; /* between a SEND and its COMPLETE nothing may exchange */
   cudaStream_t st = op_stream(c);
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},

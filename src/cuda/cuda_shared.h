@@ -174,10 +174,11 @@ typedef struct {
   int32_t dispatch_plan, combine_plan;
 } epxc_ll_t;
 
-/* Where a low-latency dispatch finds its routing: the caller's, or (NULL topk and map) the
- * normalised copy of the last plan (a replay). */
+/* Where a low-latency dispatch finds its routing: the caller's, or (replay) the normalised
+ * copy of the last plan. */
 typedef struct {
   int64_t num_tokens;
+  int replay;            /* no routing: re-plan from the last plan's normalised copy */
   const void *topk_idx;
   epx_dtype_t idx_dtype;
   const float *topk_weights;

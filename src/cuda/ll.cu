@@ -84,7 +84,7 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
   }
   __syncthreads();
   if (fits) {
-    const bool replay = !r->topk_idx && !r->routing_map;
+    const bool replay = r->replay != 0;
     if (replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS) && threadIdx.x == 0)
       plan->bad_key = (uint64_t)EPX_ERR_INVALID_ARGUMENT; /* nothing valid to replay */
     int32_t ids[EPX_MAX_TOPK];
