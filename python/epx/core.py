@@ -427,6 +427,20 @@ def _np_idx(a, name):
 # =============================================================================================
 
 
+def _dtype_codes(d, table) -> Tuple[DType, ...]:
+    """The epx dtypes a frontend's dtype stands for, from its (dtype, codes) table."""
+    for dt, codes in table:
+        if dt is not None and d == dt:
+            return codes
+    return ()
+
+
+# uint8 is a bool map or fp8 bits; uint16 holds bf16 bits where numpy has no bfloat16
+_NUMPY_CODES = [(np.float32, (DType.FLOAT32,)), (np.uint16, (DType.BFLOAT16,)), (_NP_BF16, (DType.BFLOAT16,)),
+                (_NP_FP8, (DType.FP8_E4M3,)), (np.uint8, (DType.BOOL, DType.FP8_E4M3)), (np.bool_, (DType.BOOL,)),
+                (np.int32, (DType.INT32,)), (np.int64, (DType.INT64,))]
+
+
 class _NumpyFrontend:
     name = "numpy"
 
@@ -437,22 +451,7 @@ class _NumpyFrontend:
     @staticmethod
     def codes(a) -> Tuple[DType, ...]:
         """The epx dtypes an array may stand for (uint8 is a bool map or fp8 bits)."""
-        d = a.dtype
-        if d == np.float32:
-            return (DType.FLOAT32,)
-        if d == np.uint16 or (_NP_BF16 is not None and d == _NP_BF16):
-            return (DType.BFLOAT16,)
-        if _NP_FP8 is not None and d == _NP_FP8:
-            return (DType.FP8_E4M3,)
-        if d == np.uint8:
-            return (DType.BOOL, DType.FP8_E4M3)
-        if d == np.bool_:
-            return (DType.BOOL,)
-        if d == np.int32:
-            return (DType.INT32,)
-        if d == np.int64:
-            return (DType.INT64,)
-        return ()
+        return _dtype_codes(a.dtype, _NUMPY_CODES)
 
     @staticmethod
     def dtype_name(a) -> str:

@@ -48,6 +48,7 @@ from .core import (
     UnsupportedError,
     World,
     _arg_error,
+    _dtype_codes,
     _dtype_error,
     _parse_algo,
     _shape_error,
@@ -70,6 +71,10 @@ _TORCH_OF = {
     DType.BOOL: torch.bool,
 }
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+# uint8 is a bool map or fp8 bits
+_TORCH_CODES = [(torch.float32, (DType.FLOAT32,)), (torch.bfloat16, (DType.BFLOAT16,)), (_FP8, (DType.FP8_E4M3,)),
+                (torch.uint8, (DType.BOOL, DType.FP8_E4M3)), (torch.bool, (DType.BOOL,)),
+                (torch.int32, (DType.INT32,)), (torch.int64, (DType.INT64,))]
 if _FP8 is not None:
     _TORCH_OF[DType.FP8_E4M3] = _FP8
 
@@ -83,22 +88,7 @@ class _TorchFrontend:
 
     @staticmethod
     def codes(a):
-        d = a.dtype
-        if d == torch.float32:
-            return (DType.FLOAT32,)
-        if d == torch.bfloat16:
-            return (DType.BFLOAT16,)
-        if _FP8 is not None and d == _FP8:
-            return (DType.FP8_E4M3,)
-        if d == torch.uint8:
-            return (DType.BOOL, DType.FP8_E4M3)
-        if d == torch.bool:
-            return (DType.BOOL,)
-        if d == torch.int32:
-            return (DType.INT32,)
-        if d == torch.int64:
-            return (DType.INT64,)
-        return ()
+        return _dtype_codes(a.dtype, _TORCH_CODES)
 
     @staticmethod
     def dtype_name(a) -> str:
