@@ -223,6 +223,29 @@ void epxi_expert_blocks(const epxi_counts_t *c, int d, int align, int64_t *block
 int64_t epxi_expert_source_base(const epxi_counts_t *c, int d, int l, int s);
 static inline int64_t epxi_round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
+/* ---- a range allocator (suballoc.c) ---------------------------------------------------- */
+
+/* First-fit ranges of [0, size), each rounded up to `align` (a power of two); host
+ * bookkeeping only: what the memory is, the caller knows. */
+typedef struct {
+  size_t off, len;
+  bool used;
+} epxi_range_t;
+
+typedef struct {
+  size_t size, align, in_use;
+  epxi_range_t *range; /* [n], covering [0, size) in address order */
+  int n, cap;
+} epxi_suballoc_t;
+
+#define EPXI_SUBALLOC_FULL SIZE_MAX
+int epxi_suballoc_init(epxi_suballoc_t *a, size_t size, size_t align); /* 0, or -1 */
+void epxi_suballoc_destroy(epxi_suballoc_t *a);
+/* The offset of a new range of at least `bytes`, or EPXI_SUBALLOC_FULL. */
+size_t epxi_suballoc_alloc(epxi_suballoc_t *a, size_t bytes);
+/* Frees the range that starts at off: 0, or -1 when none in use starts there. */
+int epxi_suballoc_free(epxi_suballoc_t *a, size_t off);
+
 /* ---- config (api.c) -------------------------------------------------------------------- */
 epx_status_t epxi_check_row(epx_dtype_t dtype, int hidden, const char *what);
 
