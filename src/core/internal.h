@@ -26,6 +26,7 @@ void epxi_log(epxi_log_level_t level, const char *fmt, ...) __attribute__((forma
 typedef struct {
   int timeout_ms;        /* EPX_TIMEOUT_MS, default 30000 */
   int num_sms;           /* EPX_NUM_SMS, default 16 */
+  int ipc_arena_mb;      /* EPX_IPC_ARENA_MB: the CUDA backend's cross-process arena; 0 = from the config */
   epxi_log_level_t log;  /* EPX_DEBUG=WARN|INFO */
 } epxi_env_t;
 const epxi_env_t *epxi_env(void);
@@ -58,6 +59,9 @@ typedef struct {
   epx_status_t (*share)(epxi_group_t *group, int rank, const char *phase, int timeout_ms, const void *mine,
                         size_t bytes, const void **all);
   bool (*broken)(const epxi_group_t *group);
+  /* Optional (cross-process groups): the group's common page, and whether a peer is gone. */
+  void *(*common)(epxi_group_t *group, size_t *bytes);
+  bool (*peer_lost)(const epxi_group_t *group, int rank);
 } epxi_group_ops_t;
 
 /* The head of every implementation's group. */
@@ -108,6 +112,14 @@ epx_status_t epxi_group_barrier(epxi_group_t *group, int rank, const char *phase
 /* True once a wait of this group has failed (timeout, lost peer): the group is broken for
  * good. */
 bool epxi_group_broken(const epxi_group_t *group);
+/* Memory that every process of a cross-process group maps, zeroed when the group is made
+ * (one page: *bytes gets its size), for words the ranks (and their GPUs, once registered)
+ * read and write in place: the CUDA backend's error words. NULL in-process, where the ranks
+ * share an address space anyway. */
+void *epxi_group_common(epxi_group_t *group, size_t *bytes);
+/* Whether rank r's process is gone or it left the group (cross-process; never in-process).
+ * Does not wait. */
+bool epxi_group_peer_lost(const epxi_group_t *group, int rank);
 
 /* ---- objects --------------------------------------------------------------------------- */
 

@@ -16,6 +16,15 @@ void epxi_group_destroy(epxi_group_t *g) {
 
 bool epxi_group_broken(const epxi_group_t *g) { return g->ops->broken(g); }
 
+void *epxi_group_common(epxi_group_t *g, size_t *bytes) {
+  *bytes = 0;
+  return g->ops->common ? g->ops->common(g, bytes) : NULL;
+}
+
+bool epxi_group_peer_lost(const epxi_group_t *g, int rank) {
+  return g->ops->peer_lost && rank >= 0 && rank < g->nranks && g->ops->peer_lost(g, rank);
+}
+
 epx_status_t epxi_group_barrier(epxi_group_t *g, int rank, const char *phase, int timeout_ms) {
   EPX_CHECK(check_rank(g, rank, phase));
   return g->ops->barrier(g, rank, phase, timeout_ms);

@@ -2,7 +2,8 @@
  *
  * Memory. Each rank owns one anonymous shared-memory file (memfd: it never has a name in
  * /dev/shm, so nothing is left behind whatever happens to the processes). Its first page is
- * the rank's header (barrier counter, state, share sizes); share slot i lives at offset
+ * the rank's header (barrier counter, state, share sizes); the second page of rank 0's file
+ * is the group's common page (epxi_group_common); share slot i lives at offset
  * (i + 1) * SLOT_SPAN, a sparse region grown on demand (ftruncate) and mapped by the peers
  * at the size they need. The ranks pass their files to each other once, over unix sockets in
  * the abstract namespace (no file-system names either), and keep those connections open:
@@ -47,6 +48,7 @@
 
 #define SHM_TAG 0x3170786568736d65ull  /* "emshexp1" */
 #define HDR_BYTES 4096
+#define COMMON_BYTES 4096              /* the group's common page: rank 0's file, after its header */
 #define SLOTS 4                        /* shares between two barriers */
 #define SLOT_SPAN ((off_t)1 << 36)     /* 64 GiB of file offsets per slot (sparse) */
 #define SLOT_MIN_CAP ((size_t)1 << 16)
@@ -87,6 +89,7 @@ typedef struct {
   shm_header_t *hdr[EPX_MAX_RANKS];
   mapping_t map[EPX_MAX_RANKS][SLOTS]; /* own slots read-write, peers' read-only */
   off_t file_bytes;           /* size of the own file */
+  void *common;               /* the group's common page, mapped on first use */
   uint32_t gen;               /* barriers this rank entered */
   int next_slot;              /* shares since the last plain barrier */
   bool broken;
@@ -360,6 +363,26 @@ static epx_status_t shm_share(epxi_group_t *base, int rank, const char *phase, i
 
 static bool shm_broken(const epxi_group_t *base) { return ((const shm_group_t *)base)->broken; }
 
+static void *shm_common(epxi_group_t *base, size_t *bytes) {
+  shm_group_t *g = (shm_group_t *)base;
+  if (!g->common) {
+    void *p = mmap(NULL, COMMON_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[0], HDR_BYTES);
+    if (p == MAP_FAILED) {
+      epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map the group's common page: %s", g->rank, strerror(errno));
+      return NULL;
+    }
+    g->common = p;
+  }
+  *bytes = COMMON_BYTES;
+  return g->common;
+}
+
+static bool shm_peer_lost(const epxi_group_t *base, int r) {
+  const shm_group_t *g = (const shm_group_t *)base;
+  if (r == g->rank || !g->hdr[r]) return false;
+  return atomic_load_explicit(&g->hdr[r]->state, memory_order_acquire) == STATE_LEFT || peer_gone(g, r);
+}
+
 static void shm_destroy(epxi_group_t *base) {
   shm_group_t *g = (shm_group_t *)base;
   const int R = g->base.nranks;
@@ -369,6 +392,7 @@ static void shm_destroy(epxi_group_t *base) {
     atomic_compare_exchange_strong(&me->state, &ok, STATE_LEFT);
     futex_wake(&me->reached);
   }
+  if (g->common) munmap(g->common, COMMON_BYTES);
   for (int r = 0; r < R; r++) {
     for (int s = 0; s < SLOTS; s++)
       if (g->map[r][s].ptr) munmap(g->map[r][s].ptr, g->map[r][s].len);
@@ -385,6 +409,8 @@ static const epxi_group_ops_t shm_ops = {
     .barrier = shm_barrier,
     .share = shm_share,
     .broken = shm_broken,
+    .common = shm_common,
+    .peer_lost = shm_peer_lost,
 };
 
 /* ---- creation -------------------------------------------------------------------------- */
@@ -643,9 +669,10 @@ epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_excha
   /* Own file and header. */
   if (s == EPX_SUCCESS) {
     g->fd[rank] = anon_shared_file(rank);
-    if (g->fd[rank] < 0 || ftruncate(g->fd[rank], HDR_BYTES) != 0)
+    /* sized before any peer can map it: touching a page past the end would be SIGBUS */
+    if (g->fd[rank] < 0 || ftruncate(g->fd[rank], HDR_BYTES + COMMON_BYTES) != 0)
       s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not create its shared segment: %s", rank, strerror(errno));
-    g->file_bytes = HDR_BYTES;
+    g->file_bytes = HDR_BYTES + COMMON_BYTES;
   }
   if (s == EPX_SUCCESS) {
     void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[rank], 0);
