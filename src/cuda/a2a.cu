@@ -10,11 +10,11 @@
 #include "cuda/rows.cuh"
 
 /* Rows of the send buffer before rank d's (token layout) or expert e's (expert layout). */
-static __device__ __forceinline__ int64_t chunk_start(const epxc_shape_t *s, const epxc_plan_t *src, int d) {
+static __device__ __forceinline__ int64_t chunk_start(const epxc_shape_t *s, const epxc_peer_t *src, int d) {
   return s->expert_layout ? src->pair_send_base[d * s->num_local] : src->send_base[d];
 }
 
-static __device__ __forceinline__ int64_t chunk_rows(const epxc_shape_t *s, const epxc_plan_t *src, int d) {
+static __device__ __forceinline__ int64_t chunk_rows(const epxc_shape_t *s, const epxc_peer_t *src, int d) {
   return s->expert_layout ? src->pair_send_base[(d + 1) * s->num_local] - src->pair_send_base[d * s->num_local]
                           : src->counts[d];
 }
@@ -93,17 +93,17 @@ static __global__ void __launch_bounds__(EPXC_THREADS) gather_kernel(epxc_shape_
   if (!s.expert_layout) write_counts(&s, plan, &a);
   int64_t staged = 0;
   for (int src_rank = 0; src_rank < R; src_rank++) {
-    const epxc_plan_t *src = plan->peer[src_rank];
+    const epxc_peer_t *src = &plan->peer[src_rank];
     const int64_t first = chunk_start(&s, src, me), n = chunk_rows(&s, src, me);
     const int64_t at = s.expert_layout ? staged : plan->tok_base[src_rank];
     void *dst_x = s.expert_layout ? b.stage_x : a.recv_x;
     float *dst_scales = s.expert_layout ? b.stage_scales : a.recv_scales;
-    copy_chunk((const char *)got(&g, src_rank, 1) + first * row_bytes, (char *)dst_x + at * row_bytes, n, row_bytes);
-    if (fp8) copy_floats((const float *)got(&g, src_rank, 2) + first * blocks, dst_scales + at * blocks, n * blocks);
+    copy_chunk((const char *)got_ptr(&g, src_rank, 1) + first * row_bytes, (char *)dst_x + at * row_bytes, n, row_bytes);
+    if (fp8) copy_floats((const float *)got_ptr(&g, src_rank, 2) + first * blocks, dst_scales + at * blocks, n * blocks);
     if (s.expert_layout) {
-      copy_floats((const float *)got(&g, src_rank, 4) + first, b.stage_weight + at, n);
+      copy_floats((const float *)got_ptr(&g, src_rank, 4) + first, b.stage_weight + at, n);
     } else {
-      const int32_t *tokens = (const int32_t *)got(&g, src_rank, 3) + first;
+      const int32_t *tokens = (const int32_t *)got_ptr(&g, src_rank, 3) + first;
       for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t j = i / K, t = tokens[j];
         const int k = (int)(i % K), e = src->idx[t * K + k];
@@ -130,7 +130,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) sort_kernel(epxc_shape_t 
   zero_padding(&s, plan, &a);
   int64_t staged = 0;
   for (int src_rank = 0; src_rank < R; src_rank++) {
-    const epxc_plan_t *src = plan->peer[src_rank];
+    const epxc_peer_t *src = &plan->peer[src_rank];
     for (int l = 0; l < L; l++) {
       const int64_t n = src->counts[R + me * L + l], to = plan->pair_base[(int64_t)l * R + src_rank];
       copy_chunk((const char *)b.stage_x + staged * row_bytes, (char *)a.recv_x + to * row_bytes, n, row_bytes);
@@ -163,7 +163,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) pull_back_kernel(epxc_sha
   if (plan_void(&g, plan)) return;
   const size_t row_bytes = (size_t)s.hidden * dtype_bytes(a.y_dtype);
   for (int d = 0; d < s.nranks; d++)
-    copy_chunk((const char *)got(&g, d, 1) + plan->dest_base[d] * row_bytes,
+    copy_chunk((const char *)got_ptr(&g, d, 1) + plan->dest_base[d] * row_bytes,
                (char *)a.staged + plan->send_base[d] * row_bytes, plan->counts[d], row_bytes);
 }
 

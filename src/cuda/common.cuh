@@ -82,6 +82,32 @@ static __device__ __forceinline__ bool rank_stopped(const epxc_group_t *g) {
   return ((volatile epxc_state_t *)g->state[g->rank])->aborted != 0;
 }
 
+/* ---- peers' addresses ---------------------------------------------------------------------- */
+
+/* An address rank r published (one of its process), where this rank reaches it: the same in
+ * one process, shifted by where this process mapped r's arena across processes. NULL stays
+ * NULL: an optional buffer the peer did not pass. */
+static __device__ __forceinline__ const void *peer_ptr(const epxc_group_t *g, int r, uint64_t p) {
+  return p ? (const void *)(uintptr_t)(p + (uint64_t)g->delta[r]) : NULL;
+}
+
+/* Rank r's plan, published at p, as this rank reads it from now on (see epxc_peer_t). */
+static __device__ void peer_view(const epxc_group_t *g, int r, uint64_t p, epxc_peer_t *v) {
+  const epxc_plan_t *src = (const epxc_plan_t *)peer_ptr(g, r, p);
+  v->num_tokens = src->num_tokens;
+  v->words = src->words;
+  v->idx = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->idx);
+  v->weight = (const float *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->weight);
+  v->rank_bits = (const uint32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->rank_bits);
+  v->rank_pre = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->rank_pre);
+  v->exp_bits = (const uint32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->exp_bits);
+  v->exp_pre = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->exp_pre);
+  v->counts = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->counts);
+  v->send_base = src->send_base; /* inside the struct: already reached through src */
+  v->pair_send_base = (const int64_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->pair_send_base);
+  v->pair_base = (const int64_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->pair_base);
+}
+
 /* ---- elements ------------------------------------------------------------------------- */
 
 static __device__ __forceinline__ float bf16_to_float(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }

@@ -64,13 +64,36 @@ typedef enum {
   EPXC_PH_COUNT
 } epxc_phase_t;
 
-/* What every kernel needs to reach the group. Passed by value. */
+/* What every kernel needs to reach the group. Passed by value.
+ *
+ * Addresses a peer publishes (exchange words, the pointers inside its plan) are its own. In
+ * one process they are this rank's too; across processes each rank maps every peer's arena
+ * (see backend.c) wherever CUDA IPC put it, so a peer's address p is reached at
+ * p + delta[peer] (device helper peer_ptr). delta is 0 in one process. */
 typedef struct {
   int rank, nranks;
-  epxc_state_t *state[EPX_MAX_RANKS]; /* every rank's state, this one included */
+  epxc_state_t *state[EPX_MAX_RANKS]; /* every rank's state, this one included, as reached here */
   epxc_error_t *errors;               /* [nranks], device view of the host-mapped array */
   uint64_t timeout_ns;
+  int64_t delta[EPX_MAX_RANKS];       /* where each peer's addresses are here, minus where they are there */
 } epxc_group_t;
+
+/* What a rank reads of a peer's plan (its send side), with the pointers already translated
+ * to this rank's address space: filled once per plan, right after the exchange that publishes
+ * the plans (notify, or a low-latency dispatch), so no other kernel translates them again. */
+typedef struct {
+  int64_t num_tokens, words;
+  const int32_t *idx;
+  const float *weight;
+  const uint32_t *rank_bits;
+  const int32_t *rank_pre;
+  const uint32_t *exp_bits;
+  const int32_t *exp_pre;
+  const int32_t *counts;
+  const int64_t *send_base;      /* its send_base[R] */
+  const int64_t *pair_send_base; /* its [E + 1] */
+  const int64_t *pair_base;      /* its [L, R]: where sources' pairs land on that rank */
+} epxc_peer_t;
 
 /* The plan of one dispatch, in device memory. The send side is written by this rank's notify
  * and read by peers; the receive side is derived from every rank's counts. Bitmaps have one
@@ -95,7 +118,7 @@ typedef struct epxc_plan {
   int32_t *exp_pre;       /* [E, words] */
   int32_t *counts;        /* [R + E]: tokens per destination rank, pairs per expert */
   /* receive side */
-  const struct epxc_plan *peer[EPX_MAX_RANKS];
+  epxc_peer_t peer[EPX_MAX_RANKS]; /* every rank's send side, this one's included */
   int64_t tok_base[EPX_MAX_RANKS];  /* first token row here of source s */
   int64_t dest_base[EPX_MAX_RANKS]; /* first token row of this rank's tokens on destination d */
   int64_t send_base[EPX_MAX_RANKS]; /* all-to-all: first send-buffer row of this rank's tokens for d */
@@ -168,6 +191,8 @@ typedef struct {
   void *stage[2];          /* [max_tokens, H]: this rank's tokens, in the receive type (or x's) */
   float *stage_scales[2];  /* fp8: [max_tokens, blocks] */
   void *partials[2];       /* [R * max_tokens, H]: combine partials, row (source, token) */
+  float *wgrad[2];         /* across processes, [L * R * max_tokens]: the caller's row weight
+                              gradients copied where peers reach them; NULL in one process */
   uint64_t dispatches, combines;
   /* what a SEND half leaves for its COMPLETE: the exchange's epoch and the plan it used */
   uint64_t dispatch_epoch, combine_epoch;
@@ -235,6 +260,16 @@ int epxc_a2a_pull_back(const epxc_shape_t *s, const epxc_group_t *g, const epxc_
                        const epxc_combine_t *a, void *stream);
 int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                         const epxc_combine_t *a, void *stream);
+
+/* Across processes peers reach only this rank's arena: rows they would read from the caller's
+ * memory are copied there first. This copies the first n rows of `row_bytes` (a multiple of
+ * 4) from src to dst, n being the plan's num_recv (EPXC_STAGE_RECV) or num_rows
+ * (EPXC_STAGE_ROWS) as the device knows it. More than cap_rows refuses the combine (as an
+ * output too small) instead. */
+enum { EPXC_STAGE_RECV = 0, EPXC_STAGE_ROWS = 1 };
+int epxc_stage_rows(const epxc_group_t *g, epxc_plan_t *plan_dev, int count, const void *src, void *dst,
+                    int64_t row_bytes, int64_t cap_rows, int num_sms, void *stream);
+int epxc_preload_stage(void);
 
 #ifdef __cplusplus
 }

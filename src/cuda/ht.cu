@@ -23,8 +23,8 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shap
 
   const bool raw = a.recv_dtype == a.x_dtype && !(a.scale_by_probs && s.expert_layout);
   for (int src_rank = 0; src_rank < R; src_rank++) {
-    const epxc_plan_t *src = plan->peer[src_rank];
-    const void *x = (const void *)got(&g, src_rank, 1);
+    const epxc_peer_t *src = &plan->peer[src_rank];
+    const void *x = got_ptr(&g, src_rank, 1);
     const int64_t T = src->num_tokens, W = src->words;
     const uint32_t *bits = src->rank_bits + (int64_t)me * W;
     const int32_t *pre = src->rank_pre + (int64_t)me * W;
@@ -87,7 +87,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shap
   }
   const int R = s.nranks, me = s.rank, H = s.hidden;
   for (int src_rank = 0; src_rank < R; src_rank++) {
-    const epxc_plan_t *src = plan->peer[src_rank];
+    const epxc_peer_t *src = &plan->peer[src_rank];
     const int64_t T = src->num_tokens, W = src->words;
     const uint32_t *bits = src->rank_bits + (int64_t)me * W;
     const int32_t *pre = src->rank_pre + (int64_t)me * W;
@@ -122,7 +122,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_
       if (!bit_set(bits, t)) continue;
       const int64_t rank = bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
       rows[m++] = a.staged ? row_at(a.staged, a.y_dtype, plan->send_base[d] + rank, H)
-                           : row_at((const void *)got(&g, d, 1), a.y_dtype, plan->dest_base[d] + rank, H);
+                           : row_at(got_ptr(&g, d, 1), a.y_dtype, plan->dest_base[d] + rank, H);
     }
     reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);

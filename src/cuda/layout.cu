@@ -89,7 +89,8 @@ extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, c
   return (int)cudaGetLastError();
 }
 
-/* After the exchange of plan pointers (got[s][1]): the receive side, from every rank's counts. */
+/* After the exchange of plan pointers (got[s][1]): every rank's send side as this rank reads it,
+ * then the receive side, from every rank's counts. */
 static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t *plan) {
   const epxc_state_t *st = g.state[g.rank];
   const int R = s.nranks, L = s.num_local, me = s.rank, tid = threadIdx.x;
@@ -102,13 +103,13 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
   __syncthreads();
   if (stop || plan->group_status) return;
   if (tid < R) {
-    plan->peer[tid] = (const epxc_plan_t *)st->got[tid][1];
+    peer_view(&g, tid, st->got[tid][1], &plan->peer[tid]);
   }
   __syncthreads();
   if (tid < R) {
     int64_t tb = 0, db = 0;
-    for (int q = 0; q < tid; q++) tb += plan->peer[q]->counts[me];
-    for (int q = 0; q < me; q++) db += plan->peer[q]->counts[tid];
+    for (int q = 0; q < tid; q++) tb += plan->peer[q].counts[me];
+    for (int q = 0; q < me; q++) db += plan->peer[q].counts[tid];
     plan->tok_base[tid] = tb;
     plan->dest_base[tid] = db;
   }
@@ -116,7 +117,7 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
     int64_t n = 0;
     for (int q = 0; q < R; q++) {
       plan->pair_base[(int64_t)l * R + q] = n; /* block start added below */
-      n += plan->peer[q]->counts[R + me * L + l];
+      n += plan->peer[q].counts[R + me * L + l];
     }
     plan->pairs_local[l] = (int32_t)n;
   }
@@ -129,7 +130,7 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
       pairs += plan->pairs_local[l];
     }
     plan->block[L] = s.ll ? (int64_t)L * R * s.max_tokens : row;
-    for (int q = 0; q < R; q++) recv += plan->peer[q]->counts[me], sent += plan->counts[q];
+    for (int q = 0; q < R; q++) recv += plan->peer[q].counts[me], sent += plan->counts[q];
     int64_t send = 0, pairs_sent = 0;
     for (int q = 0; q < R; q++) plan->send_base[q] = send, send += plan->counts[q];
     for (int e = 0; e < s.num_experts; e++) plan->pair_send_base[e] = pairs_sent, pairs_sent += plan->counts[R + e];

@@ -108,19 +108,20 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
   __syncthreads();
 }
 
-/* After the exchange (got[s][1] = s's plan): where every source's pairs land here. Fixed
+/* After the exchange (got[s][1] = s's plan): every rank's send side as this rank reads it, and
+ * where every source's pairs land here. Fixed
  * blocks of R * max_tokens rows per local expert, packed by (source rank, source token). */
 static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan) {
   const int R = s->nranks, L = s->num_local, me = s->rank;
   const epxc_state_t *st = g->state[g->rank];
-  if (threadIdx.x < R) plan->peer[threadIdx.x] = (const epxc_plan_t *)st->got[threadIdx.x][1];
+  if (threadIdx.x < R) peer_view(g, threadIdx.x, st->got[threadIdx.x][1], &plan->peer[threadIdx.x]);
   __syncthreads();
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int64_t n = 0;
     const int64_t block = (int64_t)l * R * s->max_tokens;
     for (int q = 0; q < R; q++) {
       plan->pair_base[(int64_t)l * R + q] = block + n;
-      n += plan->peer[q]->counts[R + me * L + l];
+      n += plan->peer[q].counts[R + me * L + l];
     }
     plan->pairs_local[l] = (int32_t)n;
     plan->block[l] = block;
@@ -199,9 +200,9 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
 
   const size_t row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
   for (int src_rank = 0; src_rank < R; src_rank++) {
-    const epxc_plan_t *src = plan->peer[src_rank];
-    const void *stage = (const void *)g.state[g.rank]->got[src_rank][2];
-    const float *stage_scales = (const float *)g.state[g.rank]->got[src_rank][3];
+    const epxc_peer_t *src = &plan->peer[src_rank];
+    const void *stage = got_ptr(&g, src_rank, 2);
+    const float *stage_scales = (const float *)got_ptr(&g, src_rank, 3);
     const epx_dtype_t src_dtype = (epx_dtype_t)g.state[g.rank]->got[src_rank][4]; /* as the source staged it */
     const int64_t Ts = src->num_tokens, W = src->words;
     const uint32_t *bits = src->rank_bits + (int64_t)me * W;
@@ -239,6 +240,15 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, ep
 
 /* ---- combine ------------------------------------------------------------------------------- */
 
+/* Across processes: the row weight gradients of the rows in use, copied where peers reach
+ * them. Out of line: the combine's own loops keep their registers. */
+static __device__ __noinline__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *plan, const float *from,
+                                                float *to) {
+  const int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
+  for (int l = 0; l < s->num_local; l++)
+    for (int64_t i = i0; i < plan->pairs_local[l]; i += step) to[plan->block[l] + i] = from[plan->block[l] + i];
+}
+
 static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_shape_t s, epxc_group_t g,
                                                                            epxc_ll_t *ll, epxc_combine_t a) {
   epxc_state_t *st = g.state[g.rank];
@@ -256,7 +266,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     /* partials of the tokens that came here: row (source, token), local experts ascending */
     void *partials = ll->partials[calls & 1];
     for (int src_rank = 0; src_rank < R && live; src_rank++) {
-      const epxc_plan_t *src = plan->peer[src_rank];
+      const epxc_peer_t *src = &plan->peer[src_rank];
       const int64_t Ts = src->num_tokens, W = src->words;
       const uint32_t *bits = src->rank_bits + (int64_t)me * W;
       for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
@@ -264,13 +274,20 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
         partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H));
       }
     }
+    /* Across processes peers reach only this rank's arena: the weight gradients go there first
+     * (double-buffered like the partials, for the same reason). */
+    const float *wgrad = a.row_weight_grad;
+    if (wgrad && ll->wgrad[0]) {
+      if (live) stage_wgrad(&s, plan, wgrad, ll->wgrad[calls & 1]);
+      wgrad = ll->wgrad[calls & 1];
+    }
     const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_COMBINE);
     if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
     if (blockIdx.x == 0) {
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
       __syncthreads();
       const epxc_words_t w = {{(uint64_t)(uint32_t)plan->group_status, (uint64_t)(uintptr_t)partials,
-                               (uint64_t)(uintptr_t)a.row_weight_grad}};
+                               (uint64_t)(uintptr_t)wgrad}};
       const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w);
       if (threadIdx.x == 0) {
         ll->combines = calls + 1;
@@ -295,7 +312,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     int m = 0;
     for (int d = 0; d < R; d++)
       if (bit_set(plan->rank_bits + (int64_t)d * W, t))
-        rows[m++] = row_at((const void *)st->got[d][1], a.y_dtype, (int64_t)me * s.max_tokens + t, H);
+        rows[m++] = row_at(got_ptr(&g, d, 1), a.y_dtype, (int64_t)me * s.max_tokens + t, H);
     reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }

@@ -11,6 +11,11 @@ static __device__ __forceinline__ uint64_t got(const epxc_group_t *g, int s, int
   return g->state[g->rank]->got[s][i];
 }
 
+/* Word i of s as an address of s's, where this rank reaches it. */
+static __device__ __forceinline__ const void *got_ptr(const epxc_group_t *g, int s, int i) {
+  return peer_ptr(g, s, got(g, s, i));
+}
+
 /* Nothing to do when this rank stopped, the plan was refused, or a rank failed the exchange
  * that opened this operation. */
 static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const epxc_plan_t *plan) {
@@ -20,7 +25,7 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
 
 /* The slots of token t of `src` that land on rank `me`, sorted by local expert:
  * local[j], row[j], weight[j], slot[j] for j < return value. */
-static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_plan_t *src,
+static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
                                   int64_t t, int *local, int64_t *row, float *weight, int *slot) {
   const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank;
   const int64_t W = src->words;
@@ -182,7 +187,7 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
 /* Destination side of an expert-layout combine: token t of src_rank's partial, its rows
  * weighted and summed in ascending local expert. */
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
-                                        const epxc_plan_t *src, int64_t t, const epxc_combine_t *a, void *out) {
+                                        const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out) {
   int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
   int64_t row[EPX_MAX_TOPK];
   float w[EPX_MAX_TOPK];
@@ -206,10 +211,10 @@ static __device__ void slot_weight_grad(const epxc_shape_t *s, const epxc_group_
   float gw = 0.0f;
   if (e >= 0) {
     const int d = e / L;
-    const float *wg = (const float *)got(g, d, 2);
+    const float *wg = (const float *)got_ptr(g, d, 2);
     int64_t row;
     if (s->expert_layout) {
-      row = plan->peer[d]->pair_base[(int64_t)(e % L) * R + s->rank] +
+      row = plan->peer[d].pair_base[(int64_t)(e % L) * R + s->rank] +
             bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
     } else {
       const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
