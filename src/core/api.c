@@ -111,14 +111,6 @@ static epx_status_t world_create_rank(const epx_world_config_t *wc, int rank, ep
   EPX_CHECK(epx_backend_available(backend));
   const epxi_backend_t *ops = backend_ops(backend);
   if (!ops) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
-  /* The CUDA backend does not exchange IPC handles yet: until it does, groups across
-   * processes run on the host backend. (Its world_create will get a world with
-   * first_rank/num_local set and a group whose allgather reaches every process.) */
-  if (backend != EPX_BACKEND_HOST)
-    return epxi_fail(EPX_ERR_UNSUPPORTED,
-                     "rank %d: groups across processes run on the host backend only in this build (asked for %s%s)",
-                     rank, epx_backend_name(backend), wc->backend == EPX_BACKEND_AUTO ? " through auto" : "");
-
   epx_world_t *w = calloc(1, sizeof *w);
   if (!w) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "world");
   w->backend = backend;

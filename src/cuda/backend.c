@@ -4,10 +4,22 @@
  * Every operation is enqueued on the comm's stream and returns without waiting, except where
  * the caller asked for exact sizes (the handle's `exact`): then notify waits for the counts.
  * Allocations after set-up are stream-ordered (cudaMallocAsync), so growing a buffer never
- * synchronises the device while a peer's kernel waits on this rank. */
+ * synchronises the device while a peer's kernel waits on this rank.
+ *
+ * Across processes (one rank per process, epx_world_create_rank*), a peer can only reach
+ * memory it mapped, once, at comm init: so each rank makes one arena (cudaMalloc, exported
+ * with CUDA IPC) and carves from it everything a peer reads: its state, plans, the buffers
+ * peers pull from, and copies of the caller's rows they would otherwise read in place (x for
+ * a dispatch, y and row weight gradients for a combine: one extra local copy). The kernels
+ * translate a peer's addresses by where this process mapped its arena (epxc_group_t.delta).
+ * The error words live in the group's shared page, registered with CUDA, so every rank and
+ * every GPU sees a failure at once. */
 #include <cuda_runtime_api.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/internal.h"
 #include "cuda/cuda_shared.h"
@@ -15,6 +27,7 @@
 typedef struct {
   epxc_error_t *errors_host; /* [R], host-mapped */
   epxc_error_t *errors_dev;
+  bool shared;               /* across processes: errors_host is the group's shared page, registered */
 } cuda_world_t;
 
 typedef struct {
@@ -25,6 +38,12 @@ typedef struct {
   epxc_state_t *state;
   epxc_group_t group;
   epxc_shape_t shape;
+  /* across processes: this rank's arena (its state first, then `heap`), exported to the peers,
+   * and the peers' arenas as mapped here; arena is NULL in one process */
+  char *arena;
+  size_t arena_bytes;
+  epxi_suballoc_t heap;
+  void *mapped[EPX_MAX_RANKS];
 } cuda_comm_t;
 
 /* What the host learns of a plan in exact mode. */
@@ -46,6 +65,10 @@ typedef struct {
   size_t a2a_send_bytes, a2a_stage_bytes;
   void *a2a_back;            /* all-to-all combine: rows pulled back */
   size_t a2a_back_bytes;
+  void *ipc_x;               /* across processes: dispatch's x, copied where peers reach it */
+  size_t ipc_x_bytes;
+  float *ipc_wgrad;          /* across processes: combine's row weight gradients, likewise */
+  size_t ipc_wgrad_bytes;
   /* low-latency: the device state, the host's copy of its pointers, and the routing that
    * epx_notify recorded for the next dispatch (planning happens inside that dispatch) */
   epxc_ll_t *ll_dev;
@@ -128,6 +151,10 @@ static cudaStream_t op_stream(const epx_comm_t *c) {
 
 /* ---- world ------------------------------------------------------------------------------ */
 
+/* Across processes this world drives one rank of the group: everything about peers then goes
+ * through IPC (comm init), and the error words through the group's shared page. */
+static bool cross_process(const epx_world_t *w) { return w->num_local < w->nranks; }
+
 static epx_status_t cuda_world_create(epx_world_t *w) {
   int count = 0;
   CUDA_TRY(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
@@ -136,9 +163,11 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
     if (w->devices[r] >= count)
       return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: device %d, but %d are visible", r, w->devices[r], count);
   }
-  /* Ranks on different GPUs read each other's memory directly. */
-  for (int a = 0; a < w->nranks; a++)
-    for (int b = 0; b < w->nranks; b++) {
+  /* Ranks of this process on different GPUs read each other's memory directly (a peer in
+   * another process is reached through its IPC mapping, which enables what it needs). */
+  const int lo = w->first_rank, hi = w->first_rank + w->num_local;
+  for (int a = lo; a < hi; a++)
+    for (int b = lo; b < hi; b++) {
       int da = w->devices[a], db = w->devices[b], ok = 0;
       if (da == db) continue;
       CUDA_TRY(cudaDeviceCanAccessPeer(&ok, da, db), "cudaDeviceCanAccessPeer");
@@ -154,19 +183,43 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
                                          .flags = cudaMemAccessFlagsProtReadWrite};
       CUDA_TRY(cudaMemPoolSetAccess(pool, &access, 1), "cudaMemPoolSetAccess");
     }
+  CUDA_TRY(cudaSetDevice(w->devices[lo]), "cudaSetDevice");
   cuda_world_t *cw = calloc(1, sizeof *cw);
   if (!cw) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world");
-  CUDA_TRY(cudaSetDevice(w->devices[0]), "cudaSetDevice");
-  cudaError_t e = cudaHostAlloc((void **)&cw->errors_host, sizeof(epxc_error_t) * w->nranks,
-                                cudaHostAllocMapped | cudaHostAllocPortable);
-  if (e != cudaSuccess) {
-    free(cw);
-    return cuda_fail(e, "cudaHostAlloc (error words)");
+  const size_t need = sizeof(epxc_error_t) * w->nranks;
+  cudaError_t e;
+  if (cross_process(w)) {
+    /* The peers' kernels and hosts must see this rank's failure: one page all processes map,
+     * pinned and mapped into this process's device address space. */
+    size_t bytes = 0;
+    cw->errors_host = epxi_group_common(w->group, &bytes);
+    if (!cw->errors_host || bytes < need) {
+      const bool mapped = cw->errors_host != NULL;
+      free(cw);
+      if (!mapped) return EPX_ERR_SYSTEM; /* the group said why */
+      return epxi_fail(EPX_ERR_INTERNAL, "the group's common page holds %zu bytes, the error words need %zu", bytes,
+                       need);
+    }
+    e = cudaHostRegister(cw->errors_host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+      free(cw);
+      return cuda_fail(e, "cudaHostRegister (the group's error words)");
+    }
+    cw->shared = true;
+  } else {
+    e = cudaHostAlloc((void **)&cw->errors_host, need, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      free(cw);
+      return cuda_fail(e, "cudaHostAlloc (error words)");
+    }
+    memset(cw->errors_host, 0, need);
   }
-  memset(cw->errors_host, 0, sizeof(epxc_error_t) * w->nranks);
   e = cudaHostGetDevicePointer((void **)&cw->errors_dev, cw->errors_host, 0);
   if (e != cudaSuccess) {
-    cudaFreeHost(cw->errors_host);
+    if (cw->shared)
+      cudaHostUnregister(cw->errors_host);
+    else
+      cudaFreeHost(cw->errors_host);
     free(cw);
     return cuda_fail(e, "cudaHostGetDevicePointer");
   }
@@ -177,11 +230,232 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
 static void cuda_world_destroy(epx_world_t *w) {
   cuda_world_t *cw = w->impl;
   if (!cw) return;
-  cudaFreeHost(cw->errors_host);
+  if (cw->shared)
+    cudaHostUnregister(cw->errors_host); /* the page itself goes with the group */
+  else
+    cudaFreeHost(cw->errors_host);
   free(cw);
 }
 
+/* ---- across processes: the arena ------------------------------------------------------------ */
+
+static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
+
+/* The arena's default size: two handles' worth of everything a peer may read, each buffer at
+ * its largest for T = max(max_tokens_per_rank, 32) tokens on every rank, rows in float32 (the
+ * widest type); the README gives the formula. EPX_IPC_ARENA_MB sets it instead. */
+static size_t ipc_arena_bytes(const epx_comm_t *c) {
+  if (epxi_env()->ipc_arena_mb) return (size_t)epxi_env()->ipc_arena_mb << 20;
+  const size_t T = c->cfg.max_tokens_per_rank > 32 ? (size_t)c->cfg.max_tokens_per_rank : 32;
+  const size_t R = c->nranks, E = c->cfg.num_experts, K = c->cfg.topk, H = c->cfg.hidden, L = c->num_local_experts;
+  const size_t B = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK, W = (T + 31) / 32;
+  /* one plan: struct, routing, bitmaps and prefixes, counts and bases, each rounded up */
+  const size_t plan = sizeof(epxc_plan_t) + 8 * T * K + 8 * (R + E) * W + 4 * (R + E) + 8 * L * R + 12 * L + 8 * E +
+                      16 * 256;
+  /* high-throughput or all-to-all: x, the combine rows and weight gradients, the send buffer */
+  const size_t ht = plan + 4 * T * H + 4 * R * T * (H + K) + T * K * (4 * H + 4 * B + 8);
+  /* low-latency: its own plan and two of everything else */
+  const size_t ll = plan + 2 * (plan + 4 * T * (H + B) + 4 * R * T * H + 4 * L * R * T);
+  const size_t bytes = round256(sizeof(epxc_state_t)) + 2 * (ht > ll ? ht : ll);
+  const size_t floor = (size_t)64 << 20;
+  return bytes > floor ? bytes : floor;
+}
+
+static bool in_arena(const cuda_comm_t *cc, const void *p) {
+  return cc->arena && (const char *)p >= cc->arena && (const char *)p < cc->arena + cc->arena_bytes;
+}
+
+/* Memory peers read (`peers`): carved from the arena across processes, stream-ordered pool
+ * memory otherwise (and for what only this rank reads). */
+static epx_status_t dev_alloc(cuda_comm_t *cc, bool peers, void **p, size_t bytes, cudaStream_t st, const char *what) {
+  *p = NULL;
+  if (!peers || !cc->arena) {
+    CUDA_TRY(cudaMallocAsync(p, bytes ? bytes : 16, st), what);
+    return EPX_SUCCESS;
+  }
+  const size_t off = epxi_suballoc_alloc(&cc->heap, bytes);
+  if (off == EPXI_SUBALLOC_FULL)
+    return epxi_fail(EPX_ERR_OUT_OF_MEMORY,
+                     "%s: %zu bytes do not fit in the cross-process arena (%zu of %zu MiB in use; set "
+                     "EPX_IPC_ARENA_MB, or a max_tokens_per_rank that covers the shapes you run)",
+                     what, bytes, cc->heap.in_use >> 20, cc->arena_bytes >> 20);
+  *p = cc->arena + off;
+  return EPX_SUCCESS;
+}
+
+/* Arena memory is reused at once, by work this rank orders after what used it (cc's streams
+ * are chained by op_stream; handle_destroy waits for them). */
+static void dev_free(cuda_comm_t *cc, void *p, cudaStream_t st) {
+  if (!p) return;
+  if (in_arena(cc, p))
+    epxi_suballoc_free(&cc->heap, (size_t)((char *)p - cc->arena));
+  else
+    cudaFreeAsync(p, st);
+}
+
+/* What a rank tells the others about its arena. */
+typedef struct {
+  cudaIpcMemHandle_t handle;
+  uint64_t base, bytes;
+  int32_t status, pad;
+} ipc_card_t;
+
+/* Unmaps the peers' arenas and frees this rank's. With `meet`, the ranks first wait for each
+ * other (bounded), so that no arena is freed while a peer still maps it, which CUDA leaves
+ * undefined. A broken group has nobody to meet: the arena goes anyway, as it would if the
+ * process exited. */
+static void ipc_close(epx_comm_t *c, cuda_comm_t *cc, bool meet) {
+  for (int r = 0; r < c->nranks; r++)
+    if (cc->mapped[r]) {
+      cudaIpcCloseMemHandle(cc->mapped[r]);
+      cc->mapped[r] = NULL;
+    }
+  if (meet && !epxi_group_broken(c->world->group) &&
+      epxi_group_barrier(c->world->group, c->rank, "ipc teardown", c->cfg.timeout_ms) != EPX_SUCCESS)
+    EPX_WARN("rank %d: freeing its cross-process arena without meeting the peers: %s", c->rank, epx_last_error());
+  if (cc->arena) cudaFree(cc->arena);
+  cc->arena = NULL;
+  cc->state = NULL;
+  epxi_suballoc_destroy(&cc->heap);
+}
+
+/* The first rank whose entry of `status` (stride bytes apart) is a failure, or -1. */
+static int first_failed(const void *status, size_t stride, int n) {
+  for (int r = 0; r < n; r++)
+    if (*(const int32_t *)((const char *)status + r * stride) != EPX_SUCCESS) return r;
+  return -1;
+}
+
+/* Across processes, collective: this rank's arena made and exported (its state first), every
+ * peer's opened, the peer table filled. Every rank succeeds or every rank fails, and a
+ * failure leaves nothing behind. */
+static epx_status_t ipc_open(epx_comm_t *c, cuda_comm_t *cc) {
+  epxi_group_t *grp = c->world->group;
+  const int R = c->nranks, me = c->rank;
+  ipc_card_t mine, cards[EPX_MAX_RANKS];
+  memset(&mine, 0, sizeof mine);
+  char why[1024] = "";
+  epx_status_t s = EPX_SUCCESS;
+  const size_t bytes = ipc_arena_bytes(c);
+  cudaError_t e = cudaMalloc((void **)&cc->arena, bytes);
+  if (e != cudaSuccess) {
+    cc->arena = NULL;
+    cudaGetLastError();
+    s = epxi_fail(e == cudaErrorMemoryAllocation ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_CUDA,
+                  "rank %d: its cross-process arena of %zu MiB: %s (EPX_IPC_ARENA_MB sets the size)", me, bytes >> 20,
+                  cudaGetErrorString(e));
+  }
+  if (s == EPX_SUCCESS) {
+    cc->arena_bytes = bytes;
+    if (epxi_suballoc_init(&cc->heap, bytes, 256) != 0)
+      s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "rank %d: cross-process arena bookkeeping", me);
+  }
+  if (s == EPX_SUCCESS) s = dev_alloc(cc, true, (void **)&cc->state, sizeof(epxc_state_t), cc->own_stream, "comm state");
+  if (s == EPX_SUCCESS) {
+    e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
+    if (e == cudaSuccess) e = cudaIpcGetMemHandle(&mine.handle, cc->arena);
+    if (e != cudaSuccess) s = cuda_fail(e, "exporting the cross-process arena (cudaIpcGetMemHandle)");
+  }
+  mine.status = s;
+  mine.base = (uint64_t)(uintptr_t)cc->arena;
+  mine.bytes = bytes;
+  if (s != EPX_SUCCESS) snprintf(why, sizeof why, "%s", epx_last_error());
+  epx_status_t x = epxi_group_allgather(grp, me, "comm_init:ipc", c->cfg.timeout_ms, &mine, sizeof mine, cards);
+  int bad = x == EPX_SUCCESS ? first_failed(&cards[0].status, sizeof *cards, R) : -1;
+  if (x != EPX_SUCCESS || bad >= 0) { /* nobody has mapped anything yet */
+    ipc_close(c, cc, false);
+    if (s != EPX_SUCCESS) return epxi_fail(s, "%s", why);
+    if (x != EPX_SUCCESS) return x;
+    return epxi_fail((epx_status_t)cards[bad].status, "rank %d: rank %d could not make its cross-process arena (%s)",
+                     me, bad, epx_status_string((epx_status_t)cards[bad].status));
+  }
+
+  for (int r = 0; r < R && s == EPX_SUCCESS; r++) {
+    if (r == me) {
+      cc->group.state[r] = cc->state;
+      cc->group.delta[r] = 0;
+      continue;
+    }
+    /* the same GPU or a peer one: the lazy flag enables peer access as the mapping needs */
+    e = cudaIpcOpenMemHandle(&cc->mapped[r], cards[r].handle, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cc->mapped[r] = NULL;
+      cudaGetLastError();
+      s = epxi_fail(EPX_ERR_CUDA, "rank %d: could not map rank %d's cross-process arena (cudaIpcOpenMemHandle: %s)",
+                    me, r, cudaGetErrorString(e));
+      snprintf(why, sizeof why, "%s", epx_last_error());
+      break;
+    }
+    /* the peer's state is the first thing in its arena */
+    cc->group.delta[r] = (int64_t)((uint64_t)(uintptr_t)cc->mapped[r] - cards[r].base);
+    cc->group.state[r] = (epxc_state_t *)cc->mapped[r];
+  }
+  int32_t vote = s, votes[EPX_MAX_RANKS];
+  x = epxi_group_allgather(grp, me, "comm_init:ipc mapped", c->cfg.timeout_ms, &vote, sizeof vote, votes);
+  bad = x == EPX_SUCCESS ? first_failed(votes, sizeof *votes, R) : -1;
+  if (x != EPX_SUCCESS || bad >= 0) {
+    ipc_close(c, cc, x == EPX_SUCCESS); /* every rank saw the same votes: all meet */
+    if (s != EPX_SUCCESS) return epxi_fail(s, "%s", why);
+    if (x != EPX_SUCCESS) return x;
+    return epxi_fail((epx_status_t)votes[bad], "rank %d: rank %d could not map the peers' arenas (%s)", me, bad,
+                     epx_status_string((epx_status_t)votes[bad]));
+  }
+  return EPX_SUCCESS;
+}
+
+/* ---- across processes: lost peers ------------------------------------------------------------ */
+
+/* A peer whose process is gone (or that left) never posts again: say so in its error word,
+ * which every device wait on it checks, so every rank's kernels stop now rather than at the
+ * timeout. Its own process can no longer write that word. */
+static void mark_lost_peers(const epx_comm_t *c) {
+  cuda_world_t *cw = c->world->impl;
+  for (int r = 0; r < c->nranks; r++) {
+    if (r == c->rank || !epxi_group_peer_lost(c->world->group, r)) continue;
+    volatile epxc_error_t *e = &cw->errors_host[r];
+    if (fatal_status(e->status)) continue;
+    e->phase = -1;
+    e->peer = r;
+    e->detail = 0;
+    atomic_thread_fence(memory_order_seq_cst);
+    e->status = EPX_ERR_PEER_LOST;
+  }
+}
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Waits for the stream's work. Across processes it polls (busily at first: most waits are
+ * short), looking for lost peers every millisecond meanwhile. */
+static cudaError_t wait_stream(const epx_comm_t *c, cudaStream_t st) {
+  if (!((cuda_world_t *)c->world->impl)->shared) return cudaStreamSynchronize(st);
+  const int64_t start = now_ns();
+  for (int64_t checked = start;;) {
+    const cudaError_t e = cudaStreamQuery(st);
+    if (e != cudaErrorNotReady) return e;
+    const int64_t now = now_ns();
+    if (now - checked >= 1000000) {
+      mark_lost_peers(c);
+      checked = now;
+    }
+    if (now - start > 200000) {
+      const struct timespec nap = {0, 50000L};
+      nanosleep(&nap, NULL);
+    }
+  }
+}
+
 /* ---- comm ------------------------------------------------------------------------------- */
+
+static void comm_free(cuda_comm_t *cc) {
+  if (cc->order) cudaEventDestroy(cc->order);
+  if (cc->own_stream) cudaStreamDestroy(cc->own_stream);
+  free(cc);
+}
 
 static epx_status_t cuda_comm_init(epx_comm_t *c) {
   epx_world_t *w = c->world;
@@ -190,9 +464,10 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   struct cudaDeviceProp prop;
   CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice");
   CUDA_TRY(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
-  /* The ranks' exchanges wait on each other: every rank's kernels must fit on the GPU at once. */
+  /* The ranks' exchanges wait on each other: every rank's kernels must fit on the GPU at once.
+   * Ranks in other processes run in contexts of their own, which the driver time-slices. */
   int sharing = 0;
-  for (int r = 0; r < w->nranks; r++) sharing += w->devices[r] == dev;
+  for (int r = w->first_rank; r < w->first_rank + w->num_local; r++) sharing += w->devices[r] == dev;
   if (sharing * c->cfg.num_sms > prop.multiProcessorCount)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
                      "num_sms %d x %d ranks on device %d needs %d SMs, the GPU has %d: the ranks could not run "
@@ -204,35 +479,48 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ht();
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_a2a();
   if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ll();
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_stage();
   if (pe != cudaSuccess) return cuda_fail(pe, "loading the kernels");
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;
-  /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
-   * kernels waiting that a device-wide sync would stall. */
   /* one stream per rank: each stream made takes a hardware queue (see epxi_cuda_available) */
   cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&cc->order, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), cc->own_stream);
-  if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
   if (e != cudaSuccess) {
-    free(cc);
-    return cuda_fail(e, "comm state");
+    comm_free(cc);
+    return cuda_fail(e, "comm stream");
   }
   cw->errors_host[c->rank] = (epxc_error_t){0};
-  void *states[EPX_MAX_RANKS];
-  epx_status_t s = epxi_group_allgather(w->group, c->rank, "comm_init:cuda", c->cfg.timeout_ms, &cc->state,
-                                        sizeof(void *), states);
-  if (s != EPX_SUCCESS) { /* a peer may have the state already: keep it (a few KB) */
-    free(cc);
-    return s;
-  }
   cc->group.rank = c->rank;
   cc->group.nranks = c->nranks;
-  for (int r = 0; r < c->nranks; r++) cc->group.state[r] = states[r];
   cc->group.errors = cw->errors_dev;
   cc->group.timeout_ns = (uint64_t)c->cfg.timeout_ms * 1000000ull;
+  if (cross_process(w)) {
+    epx_status_t s = ipc_open(c, cc);
+    if (s != EPX_SUCCESS) {
+      comm_free(cc);
+      return s;
+    }
+  } else {
+    /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
+     * kernels waiting that a device-wide sync would stall. */
+    e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), cc->own_stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
+    if (e != cudaSuccess) {
+      comm_free(cc);
+      return cuda_fail(e, "comm state");
+    }
+    void *states[EPX_MAX_RANKS];
+    epx_status_t s = epxi_group_allgather(w->group, c->rank, "comm_init:cuda", c->cfg.timeout_ms, &cc->state,
+                                          sizeof(void *), states);
+    if (s != EPX_SUCCESS) { /* a peer may have the state already: keep it (a few KB) */
+      comm_free(cc);
+      return s;
+    }
+    for (int r = 0; r < c->nranks; r++) cc->group.state[r] = states[r];
+  }
   cc->shape = (epxc_shape_t){.nranks = c->nranks, .rank = c->rank, .num_experts = c->cfg.num_experts,
                              .num_local = c->num_local_experts, .topk = c->cfg.topk, .hidden = c->cfg.hidden,
                              .align = 1, .max_tokens = c->cfg.max_tokens_per_rank, .num_sms = c->cfg.num_sms};
@@ -241,22 +529,26 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
 }
 
 /* After a healthy run every post to this rank was consumed by one of its own exchanges, so
- * its state can go. After a failure a late peer may still post to it: then it is kept (a few
- * KB), so no new comm gets that memory. */
+ * its state can go. After a failure a late peer may still post to it: in one process it is
+ * then kept (a few KB), so no new comm gets that memory; across processes the arena goes
+ * (see ipc_close). */
 static void cuda_comm_destroy(epx_comm_t *c) {
   cuda_comm_t *cc = CC(c);
   if (!cc) return;
   cudaSetDevice(cc->device);
   cudaStream_t st = stream_of(c);
-  cudaStreamSynchronize(st);
-  const int status = ((volatile epxc_error_t *)((cuda_world_t *)c->world->impl)->errors_host)[c->rank].status;
-  if (!c->broken && !fatal_status(status)) {
-    cudaFreeAsync(cc->state, st);
-    cudaStreamSynchronize(st);
+  wait_stream(c, st);
+  if (cc->arena) {
+    if (cc->last_stream && cc->last_stream != st) wait_stream(c, cc->last_stream);
+    ipc_close(c, cc, true);
+  } else {
+    const int status = ((volatile epxc_error_t *)((cuda_world_t *)c->world->impl)->errors_host)[c->rank].status;
+    if (!c->broken && !fatal_status(status)) {
+      cudaFreeAsync(cc->state, st);
+      cudaStreamSynchronize(st);
+    }
   }
-  cudaEventDestroy(cc->order);
-  cudaStreamDestroy(cc->own_stream);
-  free(cc);
+  comm_free(cc);
 }
 
 /* Turns this rank's error word into a status and message. Fatal ones only, unless `all`. */
@@ -270,9 +562,24 @@ static epx_status_t report(epx_comm_t *c, bool all) {
   const int phase = e->phase, peer = e->peer;
   const long long detail = (long long)e->detail;
   const char *ph = phase >= 0 && phase < EPXC_PH_COUNT ? phase_names[phase] : "?";
+  /* The rank a fatal failure started at: the one waited for, or, when this rank stopped
+   * because a peer failed first, whatever that peer stopped on, and so on. */
+  int root = peer;
+  for (int hops = 0; fatal && hops < c->nranks && root >= 0 && root < c->nranks && root != c->rank; hops++) {
+    if (cw->shared && epxi_group_peer_lost(c->world->group, root)) break;
+    const volatile epxc_error_t *pe = &cw->errors_host[root];
+    if ((pe->status != EPX_ERR_BROKEN && pe->status != EPX_ERR_TIMEOUT) || pe->peer == root) break;
+    root = pe->peer;
+  }
   epx_status_t s;
-  if (status == EPX_ERR_TIMEOUT)
+  if (fatal && cw->shared && root != c->rank && epxi_group_peer_lost(c->world->group, root))
+    s = epxi_fail(EPX_ERR_PEER_LOST, "rank %d: %s stopped: rank %d's process is gone (it died or left the group)",
+                  c->rank, ph, root);
+  else if (status == EPX_ERR_TIMEOUT)
     s = epxi_fail(EPX_ERR_TIMEOUT, "rank %d: %s timed out after %lld ms waiting for rank %d", c->rank, ph, detail, peer);
+  else if (status == EPX_ERR_BROKEN && root != peer && root >= 0 && root < c->nranks)
+    s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d failed first (it stopped on rank %d: %s)", c->rank, ph,
+                  peer, root, epx_status_string((epx_status_t)cw->errors_host[root].status));
   else if (status == EPX_ERR_BROKEN)
     s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d failed first (%s)", c->rank, ph, peer,
                   epx_status_string((epx_status_t)detail));
@@ -290,53 +597,57 @@ static epx_status_t cuda_poll(epx_comm_t *c) { return report(c, false); }
 
 static epx_status_t cuda_synchronize(epx_comm_t *c) {
   CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
-  CUDA_TRY(cudaStreamSynchronize(stream_of(c)), "cudaStreamSynchronize");
+  CUDA_TRY(wait_stream(c, stream_of(c)), "cudaStreamSynchronize");
   return report(c, true);
 }
 
 /* ---- handles ------------------------------------------------------------------------------ */
 
-/* Device arrays of one plan, for `cap` tokens; the struct itself is uploaded by the caller. */
+/* Device arrays of one plan, for `cap` tokens; the struct itself is uploaded by the caller.
+ * Peers read all of them. */
 static epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st) {
+  cuda_comm_t *cc = CC(c);
   const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts, L = c->num_local_experts;
   p->words = W;
-  CUDA_TRY(cudaMallocAsync((void **)&p->idx, sizeof(int32_t) * cap * K + 16, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->weight, sizeof(float) * cap * K + 16, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->rank_bits, sizeof(uint32_t) * R * W + 16, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->rank_pre, sizeof(int32_t) * R * W + 16, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->exp_bits, sizeof(uint32_t) * E * W + 16, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->exp_pre, sizeof(int32_t) * E * W + 16, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->counts, sizeof(int32_t) * (R + E), st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->pair_base, sizeof(int64_t) * L * R, st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->block, sizeof(int64_t) * (L + 1), st), "plan buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&p->pairs_local, sizeof(int32_t) * L, st), "plan buffers");
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->idx, sizeof(int32_t) * cap * K + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->weight, sizeof(float) * cap * K + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->rank_bits, sizeof(uint32_t) * R * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->rank_pre, sizeof(int32_t) * R * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->exp_bits, sizeof(uint32_t) * E * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->exp_pre, sizeof(int32_t) * E * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->counts, sizeof(int32_t) * (R + E), st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->pair_base, sizeof(int64_t) * L * R, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->block, sizeof(int64_t) * (L + 1), st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&p->pairs_local, sizeof(int32_t) * L, st, "plan buffers"));
   return EPX_SUCCESS;
 }
 
-static void plan_arrays_free(epxc_plan_t *p, cudaStream_t st) {
+static void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p, cudaStream_t st) {
   void *bufs[] = {p->idx, p->weight, p->rank_bits, p->rank_pre, p->exp_bits, p->exp_pre, p->counts,
                   p->pair_base, p->block, p->pairs_local};
-  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
-    if (bufs[i]) cudaFreeAsync(bufs[i], st);
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i], st);
 }
 
 /* Low-latency handles have every buffer at its final size from the start: two plans for
- * max_tokens_per_rank tokens, staging and partials for any element type. */
+ * max_tokens_per_rank tokens, staging and partials for any element type (and, across
+ * processes, the row weight gradients peers read). */
 static epx_status_t ll_create(const epx_comm_t *c, cuda_handle_t *ch, cudaStream_t st) {
+  cuda_comm_t *cc = CC(c);
   const int64_t T = c->cfg.max_tokens_per_rank > 0 ? c->cfg.max_tokens_per_rank : 1, H = c->cfg.hidden;
-  const int64_t blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  const int64_t blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK, R = c->nranks, L = c->num_local_experts;
+  const char *what = "low-latency buffers";
   for (int i = 0; i < 2; i++) {
     EPX_CHECK(plan_arrays(c, &ch->ll_plan[i], T, st));
-    CUDA_TRY(cudaMallocAsync((void **)&ch->ll.plan[i], sizeof(epxc_plan_t), st), "low-latency buffers");
-    CUDA_TRY(cudaMemcpyAsync(ch->ll.plan[i], &ch->ll_plan[i], sizeof(epxc_plan_t), cudaMemcpyHostToDevice, st),
-             "low-latency buffers");
-    CUDA_TRY(cudaMallocAsync(&ch->ll.stage[i], sizeof(float) * T * H, st), "low-latency buffers");
-    CUDA_TRY(cudaMallocAsync((void **)&ch->ll.stage_scales[i], sizeof(float) * T * blocks, st), "low-latency buffers");
-    CUDA_TRY(cudaMallocAsync(&ch->ll.partials[i], sizeof(float) * c->nranks * T * H, st), "low-latency buffers");
+    EPX_CHECK(dev_alloc(cc, true, (void **)&ch->ll.plan[i], sizeof(epxc_plan_t), st, what));
+    CUDA_TRY(cudaMemcpyAsync(ch->ll.plan[i], &ch->ll_plan[i], sizeof(epxc_plan_t), cudaMemcpyHostToDevice, st), what);
+    EPX_CHECK(dev_alloc(cc, true, &ch->ll.stage[i], sizeof(float) * T * H, st, what));
+    EPX_CHECK(dev_alloc(cc, true, (void **)&ch->ll.stage_scales[i], sizeof(float) * T * blocks, st, what));
+    EPX_CHECK(dev_alloc(cc, true, &ch->ll.partials[i], sizeof(float) * R * T * H, st, what));
+    if (cc->arena) EPX_CHECK(dev_alloc(cc, true, (void **)&ch->ll.wgrad[i], sizeof(float) * L * R * T, st, what));
   }
-  CUDA_TRY(cudaMallocAsync((void **)&ch->ll_dev, sizeof(epxc_ll_t), st), "low-latency buffers");
-  CUDA_TRY(cudaMemcpyAsync(ch->ll_dev, &ch->ll, sizeof(epxc_ll_t), cudaMemcpyHostToDevice, st), "low-latency buffers");
-  CUDA_TRY(cudaStreamSynchronize(st), "low-latency buffers"); /* the uploads read ch's memory */
+  EPX_CHECK(dev_alloc(cc, false, (void **)&ch->ll_dev, sizeof(epxc_ll_t), st, what));
+  CUDA_TRY(cudaMemcpyAsync(ch->ll_dev, &ch->ll, sizeof(epxc_ll_t), cudaMemcpyHostToDevice, st), what);
+  CUDA_TRY(wait_stream(c, st), what); /* the uploads read ch's memory */
   return EPX_SUCCESS;
 }
 
@@ -345,21 +656,22 @@ static epx_status_t ll_create(const epx_comm_t *c, cuda_handle_t *ch, cudaStream
 static epx_status_t cuda_handle_create(epx_handle_t *h) {
   cuda_handle_t *ch = calloc(1, sizeof *ch);
   const epx_comm_t *c = h->comm;
-  const int L = c->num_local_experts, R = c->nranks;
+  cuda_comm_t *cc = CC(c);
+  const int L = c->num_local_experts, R = c->nranks, E = c->cfg.num_experts;
   if (ch) ch->summary = calloc(1, sizeof *ch->summary);
   if (ch) ch->pairs_local_host = calloc(L, sizeof(int32_t));
   h->impl = ch;
   if (!ch || !ch->summary || !ch->pairs_local_host) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda handle");
   cudaStream_t st = stream_of(c);
-  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
-  CUDA_TRY(cudaMallocAsync((void **)&ch->dev, sizeof(epxc_plan_t), st), "handle buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&ch->host.pair_base, sizeof(int64_t) * L * R, st), "handle buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&ch->host.block, sizeof(int64_t) * (L + 1), st), "handle buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&ch->host.pairs_local, sizeof(int32_t) * L, st), "handle buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&ch->host.counts, sizeof(int32_t) * (R + c->cfg.num_experts), st), "handle buffers");
-  CUDA_TRY(cudaMallocAsync((void **)&ch->host.pair_send_base, sizeof(int64_t) * (c->cfg.num_experts + 1), st),
-           "handle buffers");
-  CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), "handle buffers");
+  const char *what = "handle buffers";
+  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->dev, sizeof(epxc_plan_t), st, what));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.pair_base, sizeof(int64_t) * L * R, st, what));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.block, sizeof(int64_t) * (L + 1), st, what));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.pairs_local, sizeof(int32_t) * L, st, what));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.counts, sizeof(int32_t) * (R + E), st, what));
+  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.pair_send_base, sizeof(int64_t) * (E + 1), st, what));
+  CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), what);
   if (h->hc.algo == EPX_ALGO_LL) EPX_CHECK(ll_create(c, ch, st));
   return EPX_SUCCESS;
 }
@@ -367,46 +679,50 @@ static epx_status_t cuda_handle_create(epx_handle_t *h) {
 static void cuda_handle_destroy(epx_handle_t *h) {
   cuda_handle_t *ch = h->impl;
   if (!ch) return;
+  cuda_comm_t *cc = CC(h->comm);
   cudaStream_t st = stream_of(h->comm);
-  cudaSetDevice(CC(h->comm)->device);
+  cudaSetDevice(cc->device);
+  /* arena memory is reused at once: nothing queued may still use it (nor the peers reading
+   * it, which the closing exchange of an operation already waited for) */
+  if (cc->arena) {
+    wait_stream(h->comm, st);
+    if (cc->last_stream && cc->last_stream != st) wait_stream(h->comm, cc->last_stream);
+  }
   void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.block, ch->host.pairs_local, ch->host.counts, ch->host.idx,
                   ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
-                  ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back};
-  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
-    if (bufs[i]) cudaFreeAsync(bufs[i], st);
+                  ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back,
+                  ch->ipc_x, ch->ipc_wgrad, ch->ll_dev};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i], st);
   for (int i = 0; i < 2; i++) {
-    plan_arrays_free(&ch->ll_plan[i], st);
-    void *ll_bufs[] = {ch->ll.plan[i], ch->ll.stage[i], ch->ll.stage_scales[i], ch->ll.partials[i]};
-    for (size_t j = 0; j < 4; j++)
-      if (ll_bufs[j]) cudaFreeAsync(ll_bufs[j], st);
+    plan_arrays_free(cc, &ch->ll_plan[i], st);
+    void *ll_bufs[] = {ch->ll.plan[i], ch->ll.stage[i], ch->ll.stage_scales[i], ch->ll.partials[i], ch->ll.wgrad[i]};
+    for (size_t j = 0; j < sizeof ll_bufs / sizeof *ll_bufs; j++) dev_free(cc, ll_bufs[j], st);
   }
-  if (ch->ll_dev) cudaFreeAsync(ch->ll_dev, st);
   free(ch->summary);
   free(ch->pairs_local_host);
   free(ch);
 }
 
-
-/* (Re)allocates a stream-ordered buffer to hold `bytes`. Refused while the stream is being
+/* (Re)allocates a buffer (see dev_alloc) to hold `bytes`. Refused while the stream is being
  * captured, and for a handle a captured graph uses (grow_frozen, set by the caller): the
  * graph holds the old addresses. */
 static _Thread_local bool grow_frozen;
-static epx_status_t grow(cudaStream_t st, void **p, size_t bytes, const char *what) {
+static epx_status_t grow(cuda_comm_t *cc, bool peers, cudaStream_t st, void **p, size_t bytes, const char *what) {
   if (capturing(st) || grow_frozen)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
                      "%s must grow to %zu bytes inside a CUDA graph capture; run the largest shape once before "
                      "capturing",
                      what, bytes);
-  if (*p) CUDA_TRY(cudaFreeAsync(*p, st), "cudaFreeAsync");
+  dev_free(cc, *p, st);
   *p = NULL;
-  CUDA_TRY(cudaMallocAsync(p, bytes ? bytes : 16, st), what);
-  return EPX_SUCCESS;
+  return dev_alloc(cc, peers, p, bytes, st, what);
 }
 
 /* Grows a buffer kept with its size in bytes. */
-static epx_status_t ensure_bytes(cudaStream_t st, void **p, size_t *have, size_t need, const char *what) {
+static epx_status_t ensure_bytes(cuda_comm_t *cc, bool peers, cudaStream_t st, void **p, size_t *have, size_t need,
+                                 const char *what) {
   if (*p && need <= *have) return EPX_SUCCESS;
-  EPX_CHECK(grow(st, p, need, what));
+  EPX_CHECK(grow(cc, peers, st, p, need, what));
   *have = need;
   return EPX_SUCCESS;
 }
@@ -428,7 +744,8 @@ static epx_status_t ensure_a2a(epx_comm_t *c, cuda_handle_t *ch, const epx_dispa
   char *at = NULL;
   carve(&at, row * send_rows), carve(&at, sizeof(float) * blocks * send_rows), carve(&at, sizeof(int32_t) * send_rows);
   carve(&at, sizeof(float) * send_rows);
-  EPX_CHECK(ensure_bytes(st, &ch->a2a.send_x, &ch->a2a_send_bytes, (size_t)(uintptr_t)at, "all-to-all send buffer"));
+  EPX_CHECK(ensure_bytes(CC(c), true, st, &ch->a2a.send_x, &ch->a2a_send_bytes, (size_t)(uintptr_t)at,
+                         "all-to-all send buffer"));
   char *base = ch->a2a.send_x;
   carve(&base, row * send_rows);
   ch->a2a.send_scales = (float *)carve(&base, sizeof(float) * blocks * send_rows);
@@ -438,7 +755,8 @@ static epx_status_t ensure_a2a(epx_comm_t *c, cuda_handle_t *ch, const epx_dispa
   const int64_t stage_rows = a->recv_capacity > 0 ? a->recv_capacity : 1;
   at = NULL;
   carve(&at, row * stage_rows), carve(&at, sizeof(float) * blocks * stage_rows), carve(&at, sizeof(float) * stage_rows);
-  EPX_CHECK(ensure_bytes(st, &ch->a2a.stage_x, &ch->a2a_stage_bytes, (size_t)(uintptr_t)at, "all-to-all staging buffer"));
+  EPX_CHECK(ensure_bytes(CC(c), false, st, &ch->a2a.stage_x, &ch->a2a_stage_bytes, (size_t)(uintptr_t)at,
+                         "all-to-all staging buffer"));
   base = ch->a2a.stage_x;
   carve(&base, row * stage_rows);
   ch->a2a.stage_scales = (float *)carve(&base, sizeof(float) * blocks * stage_rows);
@@ -452,18 +770,19 @@ static epx_status_t ensure_tokens(epx_comm_t *c, cuda_handle_t *ch, int64_t cap,
   cap = cap < 32 ? 32 : cap;
   const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts;
   epxc_plan_t *p = &ch->host;
+  cuda_comm_t *cc = CC(c);
   ch->token_cap = 0; /* until every buffer below has grown: a failure grows them all next time */
-  EPX_CHECK(grow(st, (void **)&p->idx, sizeof(int32_t) * cap * K, "routing buffer"));
-  EPX_CHECK(grow(st, (void **)&p->weight, sizeof(float) * cap * K, "weight buffer"));
-  EPX_CHECK(grow(st, (void **)&p->rank_bits, sizeof(uint32_t) * R * W, "rank bitmap"));
-  EPX_CHECK(grow(st, (void **)&p->rank_pre, sizeof(int32_t) * R * W, "rank prefix"));
-  EPX_CHECK(grow(st, (void **)&p->exp_bits, sizeof(uint32_t) * E * W, "expert bitmap"));
-  EPX_CHECK(grow(st, (void **)&p->exp_pre, sizeof(int32_t) * E * W, "expert prefix"));
+  EPX_CHECK(grow(cc, true, st, (void **)&p->idx, sizeof(int32_t) * cap * K, "routing buffer"));
+  EPX_CHECK(grow(cc, true, st, (void **)&p->weight, sizeof(float) * cap * K, "weight buffer"));
+  EPX_CHECK(grow(cc, true, st, (void **)&p->rank_bits, sizeof(uint32_t) * R * W, "rank bitmap"));
+  EPX_CHECK(grow(cc, true, st, (void **)&p->rank_pre, sizeof(int32_t) * R * W, "rank prefix"));
+  EPX_CHECK(grow(cc, true, st, (void **)&p->exp_bits, sizeof(uint32_t) * E * W, "expert bitmap"));
+  EPX_CHECK(grow(cc, true, st, (void **)&p->exp_pre, sizeof(int32_t) * E * W, "expert prefix"));
   p->words = W;
   ch->token_cap = cap;
   CUDA_TRY(cudaMemcpyAsync(ch->dev, p, sizeof *p, cudaMemcpyHostToDevice, st), "plan upload");
   /* the upload reads `p` when the stream gets there: keep it still until then */
-  CUDA_TRY(cudaStreamSynchronize(st), "plan upload");
+  CUDA_TRY(wait_stream(c, st), "plan upload");
   return EPX_SUCCESS;
 }
 
@@ -525,7 +844,7 @@ static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routin
   CUDA_TRY(cudaMemcpyAsync(ch->pairs_local_host, ch->host.pairs_local, sizeof(int32_t) * c->num_local_experts,
                            cudaMemcpyDeviceToHost, st),
            "counts");
-  CUDA_TRY(cudaStreamSynchronize(st), "cudaStreamSynchronize (notify)");
+  CUDA_TRY(wait_stream(c, st), "cudaStreamSynchronize (notify)");
   sum->num_tokens = r->num_tokens;
   /* Every rank decides from the statuses the exchange agreed on; a recoverable record left
    * from an earlier call must not make this one fail on one rank only. */
@@ -620,7 +939,15 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "dispatch exchange");
     LAUNCH_TRY(epxc_a2a_gather(&s, &cc->group, ch->dev, b, &d, st), "all-to-all gather");
   } else {
-    uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)a->x};
+    const void *x = a->x;
+    if (cc->arena) { /* across processes peers reach x only in the arena */
+      const size_t bytes = (size_t)ch->num_tokens * c->cfg.hidden * epx_dtype_size(a->x_dtype);
+      epx_status_t grown = ensure_bytes(cc, true, st, &ch->ipc_x, &ch->ipc_x_bytes, bytes, "dispatch staging buffer");
+      if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_DISPATCH, grown);
+      if (bytes) CUDA_TRY(cudaMemcpyAsync(ch->ipc_x, a->x, bytes, cudaMemcpyDeviceToDevice, st), "dispatch staging");
+      x = ch->ipc_x;
+    }
+    uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)x};
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, words, NULL, st), "dispatch exchange");
     LAUNCH_TRY(epxc_dispatch(&s, &cc->group, ch->dev, &d, st), "dispatch kernel");
   }
@@ -666,26 +993,50 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   if (h->hc.algo == EPX_ALGO_ALLTOALL) {
     const size_t back = (size_t)(ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk * c->cfg.hidden *
                         epx_dtype_size(a->y_dtype);
-    epx_status_t grown = ensure_bytes(st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer");
+    epx_status_t grown = ensure_bytes(cc, false, st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer");
     if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
     k.staged = ch->a2a_back;
   }
+  /* What arrived here, as the host knows it, or at most what the last dispatch could write. */
+  const int64_t recv_tokens = ch->known ? ch->summary->num_recv : ch->recv_capacity;
+  const int64_t recv_rows = ch->known ? ch->summary->num_rows : ch->recv_capacity;
+  const size_t row_bytes = (size_t)c->cfg.hidden * epx_dtype_size(a->y_dtype);
   const void *rows = a->y;
-  if (s.expert_layout) {
-    /* One partial per arrived token: at most the rows dispatch could write. */
-    int64_t need = ch->known ? ch->summary->num_recv : ch->recv_capacity;
-    size_t bytes = (size_t)need * c->cfg.hidden * epx_dtype_size(a->y_dtype);
+  if (s.expert_layout || cc->arena) {
+    /* The rows peers pull back, one per arrived token: the partials (expert layout), or across
+     * processes y copied where the peers reach it (token layout). */
+    const size_t bytes = (size_t)recv_tokens * row_bytes;
     if (!ch->partials || bytes > ch->partial_bytes) {
-      epx_status_t grown = grow(st, &ch->partials, bytes, "combine partials");
+      epx_status_t grown = grow(cc, true, st, &ch->partials, bytes, "combine partials");
       if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
       ch->partial_bytes = bytes;
     }
     k.partials = ch->partials;
-    k.partial_rows = (int64_t)(ch->partial_bytes / ((size_t)c->cfg.hidden * epx_dtype_size(a->y_dtype)));
+    k.partial_rows = (int64_t)(ch->partial_bytes / row_bytes);
     rows = ch->partials;
-    LAUNCH_TRY(epxc_combine_partials(&s, &cc->group, ch->dev, &k, st), "combine partials");
   }
-  uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)rows, (uint64_t)(uintptr_t)a->row_weight_grad};
+  /* Across processes the row weight gradients are copied too: [rows] or [tokens, K]. */
+  const float *wgrad = a->row_weight_grad;
+  const int64_t wgrad_rows = s.expert_layout ? recv_rows : recv_tokens, wgrad_row_bytes =
+                             (int64_t)sizeof(float) * (s.expert_layout ? 1 : c->cfg.topk);
+  if (cc->arena && wgrad) {
+    epx_status_t grown = ensure_bytes(cc, true, st, (void **)&ch->ipc_wgrad, &ch->ipc_wgrad_bytes,
+                                      (size_t)(wgrad_rows * wgrad_row_bytes), "combine weight gradient buffer");
+    if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
+  }
+  if (s.expert_layout)
+    LAUNCH_TRY(epxc_combine_partials(&s, &cc->group, ch->dev, &k, st), "combine partials");
+  else if (cc->arena)
+    LAUNCH_TRY(epxc_stage_rows(&cc->group, ch->dev, EPXC_STAGE_RECV, a->y, ch->partials, (int64_t)row_bytes,
+                               k.partial_rows, s.num_sms, st),
+               "combine staging");
+  if (cc->arena && wgrad) {
+    LAUNCH_TRY(epxc_stage_rows(&cc->group, ch->dev, s.expert_layout ? EPXC_STAGE_ROWS : EPXC_STAGE_RECV, wgrad,
+                               ch->ipc_wgrad, wgrad_row_bytes, wgrad_rows, s.num_sms, st),
+               "combine staging");
+    wgrad = ch->ipc_wgrad;
+  }
+  uint64_t words[EPXC_SLOT_WORDS] = {0, (uint64_t)(uintptr_t)rows, (uint64_t)(uintptr_t)wgrad};
   /* a rank whose dispatch wrote nothing makes every rank skip this combine */
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, words, &ch->dev->refused, st), "combine exchange");
   if (h->hc.algo == EPX_ALGO_ALLTOALL) /* the rows for this rank's tokens come back whole */
@@ -699,7 +1050,7 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
  * the same thing (the exchange recorded it as "rank r failed"), and nothing else. */
 static void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st) {
   if (capturing(st)) return; /* the record then stays, for epx_comm_synchronize to report */
-  cudaStreamSynchronize(st);
+  wait_stream(c, st);
   volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
   if (e->status == (int32_t)status && e->peer == c->rank) e->status = 0;
 }
