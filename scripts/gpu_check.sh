@@ -38,6 +38,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
   run test_cuda_match timeout 300 "$build/tests/gpu/test_cuda_match"
+  # one rank per process on this GPU (CUDA IPC), against the host backend; about a minute
+  run test_cuda_mp timeout 180 "$build/tests/gpu/test_cuda_mp"
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then

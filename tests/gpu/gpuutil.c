@@ -21,6 +21,14 @@ const char *gu_case_str(const gu_case_t *c) {
   return buf;
 }
 
+gu_case_t gu_case_of(const gu_row_t *k, int num_sms) {
+  gu_case_t c = {.R = k->R, .E = k->E, .H = k->H, .K = k->K, .align = k->align, .exact = k->exact, .form = k->form,
+                 .algo = k->algo, .layout = k->layout, .x_dtype = k->x, .recv_dtype = k->recv, .num_sms = num_sms};
+  c.max_tokens = k->algo == EPX_ALGO_LL ? (k->T > 64 ? (int)k->T : 64) : 0;
+  for (int r = 0; r < c.R; r++) c.T[r] = k->uneven && (r & 1) ? (r == 1 ? 0 : k->T / 3) : k->T;
+  return c;
+}
+
 static size_t esz(epx_dtype_t t) { return epx_dtype_size(t); }
 static int expert_rows(const gu_case_t *c) { return c->algo == EPX_ALGO_LL || c->layout == EPX_LAYOUT_EXPERT; }
 /* Row weight gradients per row: one float (expert rows) or K (token rows). */
@@ -214,11 +222,78 @@ done:
   return res->st[r];
 }
 
+/* Rank r's inputs and outputs, in the run's memory. */
+static void rank_alloc(run_t *run, const mem_t *mem, int r, const gu_result_t *host) {
+  const gu_case_t *c = run->c;
+  const gu_inputs_t *in = run->in;
+  gu_result_t *res = run->res;
+  const int H = c->H, K = c->K, nb = tu_nblocks(H);
+  const int64_t T = c->T[r];
+  /* Sizes: the host run learns them from its plan; the CUDA run takes the host's. */
+  const int64_t cap = host ? host->cap[r] : rows_needed(c, &in->m, r);
+  res->cap[r] = cap;
+  run->x[r] = mem_upload(mem, in->m.x[r], (size_t)(T * H) * esz(c->x_dtype));
+  run->x2[r] = mem_upload(mem, in->x2[r], (size_t)(T * H) * esz(c->x_dtype));
+  run->idx[r] = c->form == TU_FORM_TOPK64 ? mem_upload(mem, in->m.idx64[r], sizeof(int64_t) * T * K)
+                                          : mem_upload(mem, in->m.idx[r], sizeof(int32_t) * T * K);
+  run->w[r] = mem_upload(mem, in->m.w[r], sizeof(float) * T * K);
+  if (c->form == TU_FORM_MAP) {
+    run->map[r] = mem_upload(mem, in->m.map[r], (size_t)(T * c->E));
+    run->probs_in[r] = mem_upload(mem, in->m.probs[r], sizeof(float) * T * c->E);
+  }
+  run->g[r] = mem_upload(mem, in->g[r], sizeof(float) * (size_t)(cap * g_per_row(c)));
+  res->recv_x[r] = mem_alloc(mem, (size_t)(cap * H) * esz(c->recv_dtype));
+  res->recv2[r] = mem_alloc(mem, (size_t)(cap * H) * esz(c->recv_dtype));
+  res->scales[r] = mem_alloc(mem, sizeof(float) * cap * nb);
+  res->scales2[r] = mem_alloc(mem, sizeof(float) * cap * nb);
+  res->recv_idx[r] = mem_alloc(mem, sizeof(int32_t) * cap * K);
+  res->recv_w[r] = mem_alloc(mem, sizeof(float) * cap * K);
+  res->probs[r] = mem_alloc(mem, sizeof(float) * cap);
+  res->cnt[r] = mem_alloc(mem, sizeof(int32_t) * (c->E / c->R));
+  res->y[r] = host ? mem_upload(mem, host->y[r], (size_t)(cap * H) * esz(c->x_dtype))
+                   : mem_alloc(mem, (size_t)(cap * H) * esz(c->x_dtype));
+  res->out[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->x_dtype));
+  res->out2[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->x_dtype));
+  res->wgrad[r] = mem_alloc(mem, sizeof(float) * T * K);
+  run->nrows[r] = mem->cuda ? mem_alloc(mem, sizeof(int64_t)) : &res->nrows[r];
+}
+
+/* Rank r's outputs made host-readable; its inputs freed. */
+static void rank_collect(run_t *run, const mem_t *mem, int r) {
+  const gu_case_t *c = run->c;
+  gu_result_t *res = run->res;
+  const int H = c->H, K = c->K, nb = tu_nblocks(H);
+  const int64_t T = c->T[r], cap = res->cap[r];
+  mem_download(mem, &res->recv_x[r], (size_t)(cap * H) * esz(c->recv_dtype));
+  mem_download(mem, &res->recv2[r], (size_t)(cap * H) * esz(c->recv_dtype));
+  mem_download(mem, (void **)&res->scales[r], sizeof(float) * cap * nb);
+  mem_download(mem, (void **)&res->scales2[r], sizeof(float) * cap * nb);
+  mem_download(mem, (void **)&res->recv_idx[r], sizeof(int32_t) * cap * K);
+  mem_download(mem, (void **)&res->recv_w[r], sizeof(float) * cap * K);
+  mem_download(mem, (void **)&res->probs[r], sizeof(float) * cap);
+  mem_download(mem, (void **)&res->cnt[r], sizeof(int32_t) * (c->E / c->R));
+  mem_download(mem, &res->y[r], (size_t)(cap * H) * esz(c->x_dtype));
+  mem_download(mem, &res->out[r], (size_t)(T * H) * esz(c->x_dtype));
+  mem_download(mem, &res->out2[r], (size_t)(T * H) * esz(c->x_dtype));
+  mem_download(mem, (void **)&res->wgrad[r], sizeof(float) * T * K);
+  if (mem->cuda) {
+    cudaMemcpy(&res->nrows[r], run->nrows[r], sizeof(int64_t), cudaMemcpyDeviceToHost);
+    cudaFree(run->nrows[r]);
+  }
+  void *inputs[] = {run->x[r], run->x2[r], run->idx[r], run->w[r], run->map[r], run->probs_in[r], run->g[r]};
+  for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
+    if (!inputs[i]) continue;
+    if (mem->cuda)
+      cudaFree(inputs[i]);
+    else
+      free(inputs[i]);
+  }
+}
+
 int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, const gu_result_t *host,
            gu_result_t *res) {
   memset(res, 0, sizeof *res);
   const mem_t mem = {backend == EPX_BACKEND_CUDA};
-  const int H = c->H, K = c->K, nb = tu_nblocks(H);
   run_t run = {.c = c, .in = in, .res = res, .cuda = mem.cuda};
   epx_world_config_t wc;
   epx_world_config_init(&wc);
@@ -228,36 +303,7 @@ int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, con
     printf("world create failed: %s\n", epx_last_error());
     return 1;
   }
-  for (int r = 0; r < c->R; r++) {
-    const int64_t T = c->T[r];
-    /* Sizes: the host run learns them from its plan; the CUDA run takes the host's. */
-    const int64_t cap = host ? host->cap[r] : rows_needed(c, &in->m, r);
-    res->cap[r] = cap;
-    run.x[r] = mem_upload(&mem, in->m.x[r], (size_t)(T * H) * esz(c->x_dtype));
-    run.x2[r] = mem_upload(&mem, in->x2[r], (size_t)(T * H) * esz(c->x_dtype));
-    run.idx[r] = c->form == TU_FORM_TOPK64 ? mem_upload(&mem, in->m.idx64[r], sizeof(int64_t) * T * K)
-                                           : mem_upload(&mem, in->m.idx[r], sizeof(int32_t) * T * K);
-    run.w[r] = mem_upload(&mem, in->m.w[r], sizeof(float) * T * K);
-    if (c->form == TU_FORM_MAP) {
-      run.map[r] = mem_upload(&mem, in->m.map[r], (size_t)(T * c->E));
-      run.probs_in[r] = mem_upload(&mem, in->m.probs[r], sizeof(float) * T * c->E);
-    }
-    run.g[r] = mem_upload(&mem, in->g[r], sizeof(float) * (size_t)(cap * g_per_row(c)));
-    res->recv_x[r] = mem_alloc(&mem, (size_t)(cap * H) * esz(c->recv_dtype));
-    res->recv2[r] = mem_alloc(&mem, (size_t)(cap * H) * esz(c->recv_dtype));
-    res->scales[r] = mem_alloc(&mem, sizeof(float) * cap * nb);
-    res->scales2[r] = mem_alloc(&mem, sizeof(float) * cap * nb);
-    res->recv_idx[r] = mem_alloc(&mem, sizeof(int32_t) * cap * K);
-    res->recv_w[r] = mem_alloc(&mem, sizeof(float) * cap * K);
-    res->probs[r] = mem_alloc(&mem, sizeof(float) * cap);
-    res->cnt[r] = mem_alloc(&mem, sizeof(int32_t) * (c->E / c->R));
-    res->y[r] = host ? mem_upload(&mem, host->y[r], (size_t)(cap * H) * esz(c->x_dtype))
-                     : mem_alloc(&mem, (size_t)(cap * H) * esz(c->x_dtype));
-    res->out[r] = mem_alloc(&mem, (size_t)(T * H) * esz(c->x_dtype));
-    res->out2[r] = mem_alloc(&mem, (size_t)(T * H) * esz(c->x_dtype));
-    res->wgrad[r] = mem_alloc(&mem, sizeof(float) * T * K);
-    run.nrows[r] = mem.cuda ? mem_alloc(&mem, sizeof(int64_t)) : &res->nrows[r];
-  }
+  for (int r = 0; r < c->R; r++) rank_alloc(&run, &mem, r, host);
   epx_status_t st[TU_MAX_RANKS];
   epx_run_ranks(c->R, rank_main, &run, st);
   int fail = 0;
@@ -266,34 +312,20 @@ int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, con
       printf("  %s rank %d: %s\n", epx_backend_name(backend), r, res->err[r]);
       fail = 1;
     }
-  for (int r = 0; r < c->R; r++) {
-    const int64_t T = c->T[r], cap = res->cap[r];
-    mem_download(&mem, &res->recv_x[r], (size_t)(cap * H) * esz(c->recv_dtype));
-    mem_download(&mem, &res->recv2[r], (size_t)(cap * H) * esz(c->recv_dtype));
-    mem_download(&mem, (void **)&res->scales[r], sizeof(float) * cap * nb);
-    mem_download(&mem, (void **)&res->scales2[r], sizeof(float) * cap * nb);
-    mem_download(&mem, (void **)&res->recv_idx[r], sizeof(int32_t) * cap * K);
-    mem_download(&mem, (void **)&res->recv_w[r], sizeof(float) * cap * K);
-    mem_download(&mem, (void **)&res->probs[r], sizeof(float) * cap);
-    mem_download(&mem, (void **)&res->cnt[r], sizeof(int32_t) * (c->E / c->R));
-    mem_download(&mem, &res->y[r], (size_t)(cap * H) * esz(c->x_dtype));
-    mem_download(&mem, &res->out[r], (size_t)(T * H) * esz(c->x_dtype));
-    mem_download(&mem, &res->out2[r], (size_t)(T * H) * esz(c->x_dtype));
-    mem_download(&mem, (void **)&res->wgrad[r], sizeof(float) * T * K);
-    if (mem.cuda) {
-      cudaMemcpy(&res->nrows[r], run.nrows[r], sizeof(int64_t), cudaMemcpyDeviceToHost);
-      cudaFree(run.nrows[r]);
-    }
-    void *inputs[] = {run.x[r], run.x2[r], run.idx[r], run.w[r], run.map[r], run.probs_in[r], run.g[r]};
-    for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
-      if (!inputs[i]) continue;
-      if (mem.cuda)
-        cudaFree(inputs[i]);
-      else
-        free(inputs[i]);
-    }
-  }
+  for (int r = 0; r < c->R; r++) rank_collect(&run, &mem, r);
   epx_world_destroy(run.world);
+  return fail;
+}
+
+int gu_run_rank(const gu_case_t *c, const gu_inputs_t *in, epx_world_t *world, int r, const gu_result_t *host,
+                gu_result_t *res) {
+  memset(res, 0, sizeof *res);
+  const mem_t mem = {epx_world_backend(world) == EPX_BACKEND_CUDA};
+  run_t run = {.c = c, .in = in, .res = res, .cuda = mem.cuda, .world = world};
+  rank_alloc(&run, &mem, r, host);
+  const int fail = rank_main(r, &run) != EPX_SUCCESS;
+  if (fail) printf("  %s rank %d: %s\n", epx_backend_name(epx_world_backend(world)), r, res->err[r]);
+  rank_collect(&run, &mem, r);
   return fail;
 }
 
@@ -306,34 +338,36 @@ void gu_result_free(gu_result_t *r, int R) {
   memset(r, 0, sizeof *r);
 }
 
-void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label) {
+void gu_compare_rank(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label, int r) {
   const int H = c->H, K = c->K, L = c->E / c->R, nb = tu_nblocks(H), er = expert_rows(c);
-  for (int r = 0; r < c->R; r++) {
-    const int64_t cap = want->cap[r], T = c->T[r];
-    char what[512];
-#define CMP(name, t, a, b, n, row)                                                    \
-  do {                                                                                \
+  const int64_t cap = want->cap[r], T = c->T[r];
+  char what[512];
+#define CMP(name, t, a, b, n, row)                                                  \
+  do {                                                                              \
     snprintf(what, sizeof what, "%s rank %d %s [%s]", label, r, name, gu_case_str(c)); \
-    tu_check_bits(what, t, a, b, n, row);                                             \
+    tu_check_bits(what, t, a, b, n, row);                                           \
   } while (0)
-    CMP("recv_x", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv_x[r], want->recv_x[r], cap * H, H);
-    CMP("recv2", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv2[r], want->recv2[r], cap * H, H);
-    if (c->recv_dtype == EPX_FP8_E4M3) {
-      CMP("scales", EPX_FLOAT32, got->scales[r], want->scales[r], cap * nb, nb);
-      CMP("scales2", EPX_FLOAT32, got->scales2[r], want->scales2[r], cap * nb, nb);
-    }
-    if (er) {
-      CMP("probs", EPX_FLOAT32, got->probs[r], want->probs[r], cap, 1);
-    } else {
-      CMP("recv_idx", EPX_INT32, got->recv_idx[r], want->recv_idx[r], cap * K, K);
-      CMP("recv_w", EPX_FLOAT32, got->recv_w[r], want->recv_w[r], cap * K, K);
-    }
-    CMP("tokens_per_local_expert", EPX_INT32, got->cnt[r], want->cnt[r], L, L);
-    CHECK(got->nrows[r] == want->nrows[r], "%s rank %d num_recv_rows %lld, host %lld", label, r,
-          (long long)got->nrows[r], (long long)want->nrows[r]);
-    CMP("out", c->x_dtype, got->out[r], want->out[r], T * H, H);
-    CMP("out2 (dispatch gradient)", c->x_dtype, got->out2[r], want->out2[r], T * H, H);
-    CMP("topk weight gradient", EPX_FLOAT32, got->wgrad[r], want->wgrad[r], T * K, K);
-#undef CMP
+  CMP("recv_x", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv_x[r], want->recv_x[r], cap * H, H);
+  CMP("recv2", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv2[r], want->recv2[r], cap * H, H);
+  if (c->recv_dtype == EPX_FP8_E4M3) {
+    CMP("scales", EPX_FLOAT32, got->scales[r], want->scales[r], cap * nb, nb);
+    CMP("scales2", EPX_FLOAT32, got->scales2[r], want->scales2[r], cap * nb, nb);
   }
+  if (er) {
+    CMP("probs", EPX_FLOAT32, got->probs[r], want->probs[r], cap, 1);
+  } else {
+    CMP("recv_idx", EPX_INT32, got->recv_idx[r], want->recv_idx[r], cap * K, K);
+    CMP("recv_w", EPX_FLOAT32, got->recv_w[r], want->recv_w[r], cap * K, K);
+  }
+  CMP("tokens_per_local_expert", EPX_INT32, got->cnt[r], want->cnt[r], L, L);
+  CHECK(got->nrows[r] == want->nrows[r], "%s rank %d num_recv_rows %lld, host %lld", label, r,
+        (long long)got->nrows[r], (long long)want->nrows[r]);
+  CMP("out", c->x_dtype, got->out[r], want->out[r], T * H, H);
+  CMP("out2 (dispatch gradient)", c->x_dtype, got->out2[r], want->out2[r], T * H, H);
+  CMP("topk weight gradient", EPX_FLOAT32, got->wgrad[r], want->wgrad[r], T * K, K);
+#undef CMP
+}
+
+void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label) {
+  for (int r = 0; r < c->R; r++) gu_compare_rank(c, got, want, label, r);
 }

@@ -28,6 +28,30 @@ typedef struct {
   int num_sms;
 } gu_case_t;
 
+/* A row of a test's case table, and the case it makes: every rank gets T tokens, or with
+ * `uneven` rank 1 none and the other odd ranks T / 3; low-latency capacity max(T, 64). */
+typedef struct {
+  int R, E, K, H;
+  int64_t T;
+  epx_algo_t algo;
+  epx_layout_t layout;
+  int align;
+  epx_dtype_t x, recv;
+  int form, exact, uneven;
+} gu_row_t;
+
+gu_case_t gu_case_of(const gu_row_t *k, int num_sms);
+
+/* Shorthands for case tables. */
+#define BF EPX_BFLOAT16
+#define F32 EPX_FLOAT32
+#define FP8 EPX_FP8_E4M3
+#define TOK EPX_LAYOUT_TOKEN
+#define EXP EPX_LAYOUT_EXPERT
+#define HT EPX_ALGO_HT
+#define LL EPX_ALGO_LL
+#define A2A EPX_ALGO_ALLTOALL
+
 /* One backend's buffers and results, every array host-readable after gu_run. */
 typedef struct {
   int64_t cap[TU_MAX_RANKS];
@@ -55,8 +79,13 @@ void gu_inputs_free(gu_inputs_t *in, const gu_case_t *c);
 /* Runs the sequence. For the CUDA backend, `host` (a finished host run) supplies y and the
  * buffer sizes. Returns 0 when every rank succeeded. */
 int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, const gu_result_t *host, gu_result_t *res);
-/* CHECKs every output of `got` against `want` bit for bit. */
+/* The same sequence for rank r alone, on a world that drives only it (its peers run in other
+ * processes, each with its own gu_run_rank); only rank r's entries of res are filled. */
+int gu_run_rank(const gu_case_t *c, const gu_inputs_t *in, epx_world_t *world, int r, const gu_result_t *host,
+                gu_result_t *res);
+/* CHECKs every output of `got` against `want` bit for bit: every rank's, or rank r's. */
 void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label);
+void gu_compare_rank(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label, int r);
 void gu_result_free(gu_result_t *r, int R);
 /* "R=4 E=64 ..." for messages. */
 const char *gu_case_str(const gu_case_t *c);

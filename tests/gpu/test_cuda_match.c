@@ -5,29 +5,10 @@
 
 #include "gpuutil.h"
 
-typedef struct {
-  int R, E, K, H;
-  int64_t T;
-  epx_algo_t algo;
-  epx_layout_t layout;
-  int align;
-  epx_dtype_t x, recv;
-  int form, exact, uneven;
-} row_t;
-
-#define BF EPX_BFLOAT16
-#define F32 EPX_FLOAT32
-#define FP8 EPX_FP8_E4M3
-#define TOK EPX_LAYOUT_TOKEN
-#define EXP EPX_LAYOUT_EXPERT
-#define HT EPX_ALGO_HT
-#define LL EPX_ALGO_LL
-#define A2A EPX_ALGO_ALLTOALL
-
 /* Every value the issue lists appears: R {2,4,8}, H {2048,2880,4096,7168}, K {1,2,8},
  * E {8,64,256}, T {0,1,4095,4096}, both layouts, align {1,16,128}, bf16 and float32, fp8
  * dispatch, each routing form, exact and sync-free sizing, uneven token counts. */
-static const row_t cases[] = {
+static const gu_row_t cases[] = {
     {2, 8, 1, 2048, 4096, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 0},
     {2, 8, 2, 2880, 4095, HT, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 1},
     {4, 64, 8, 4096, 1, HT, TOK, 1, F32, F32, TU_FORM_TOPK32, 0, 0},
@@ -57,11 +38,7 @@ int main(void) {
   tu_begin("test_cuda_match");
   if (!gu_have_gpu()) return GU_SKIP;
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-    const row_t *k = &cases[i];
-    gu_case_t c = {.R = k->R, .E = k->E, .H = k->H, .K = k->K, .align = k->align, .exact = k->exact, .form = k->form,
-                   .algo = k->algo, .layout = k->layout, .x_dtype = k->x, .recv_dtype = k->recv, .num_sms = 16};
-    c.max_tokens = k->algo == LL ? (k->T > 64 ? (int)k->T : 64) : 0;
-    for (int r = 0; r < c.R; r++) c.T[r] = k->uneven && (r & 1) ? (r == 1 ? 0 : k->T / 3) : k->T;
+    gu_case_t c = gu_case_of(&cases[i], 16);
     double t0 = tu_now();
     gu_inputs_t in;
     gu_inputs_make(&in, &c);

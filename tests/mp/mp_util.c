@@ -35,6 +35,16 @@ double mp_now(void) {
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+int mp_names_rank(const char *msg, int v) {
+  char pat[32];
+  snprintf(pat, sizeof pat, "rank %d", v);
+  for (const char *p = strstr(msg, pat); p; p = strstr(p + 1, pat)) {
+    const char next = p[strlen(pat)];
+    if (next < '0' || next > '9') return 1;
+  }
+  return 0;
+}
+
 void mp_begin(const char *name) {
   test_name = name;
   setvbuf(stdout, NULL, _IOLBF, 0);
@@ -134,13 +144,17 @@ static int hub_allgather(const void *mine, void *all, size_t bytes, void *vctx) 
   return 0;
 }
 
+epx_status_t mp_world_create_with(mp_ctx_t *ctx, const epx_world_config_t *wc, int rank, epx_world_t **world) {
+  if (ctx->boot == MP_BOOT_ID) return epx_world_create_rank(wc, &ctx->id, rank, world);
+  return epx_world_create_rank_with(wc, rank, hub_allgather, ctx, world);
+}
+
 epx_status_t mp_world_create(mp_ctx_t *ctx, int nranks, int rank, epx_world_t **world) {
   epx_world_config_t wc;
   epx_world_config_init(&wc);
   wc.backend = EPX_BACKEND_HOST;
   wc.nranks = nranks;
-  if (ctx->boot == MP_BOOT_ID) return epx_world_create_rank(&wc, &ctx->id, rank, world);
-  return epx_world_create_rank_with(&wc, rank, hub_allgather, ctx, world);
+  return mp_world_create_with(ctx, &wc, rank, world);
 }
 
 typedef struct {

@@ -1,5 +1,6 @@
 /*
- * mp_util — harness of the multi-process tests: one process per rank, on the host backend.
+ * mp_util — harness of the multi-process tests: one process per rank (host backend here; the
+ * CUDA backend in tests/gpu/test_cuda_mp).
  *
  *   mp_begin / mp_end     seed (EPX_TEST_SEED or the clock) printed first, "name: N passed,
  *                         M failed" last; the counters live in shared memory, so checks made
@@ -39,6 +40,9 @@ int mp_check_status(const char *file, int line, const char *expr, epx_status_t g
                     ...) __attribute__((format(printf, 6, 7)));
 long mp_failures(void);
 
+/* A test that also uses tests/check.h (the GPU helpers: include them first) keeps its CHECK,
+ * counted per process; mp_launch's own checks still count here. */
+#ifndef EPX_TEST_CHECK_H
 #define CHECK(cond, ...)                               \
   do {                                                 \
     if (cond)                                          \
@@ -47,6 +51,7 @@ long mp_failures(void);
       mp_fail(__FILE__, __LINE__, #cond, __VA_ARGS__); \
   } while (0)
 #define CHECK_STATUS(expr, want, ...) mp_check_status(__FILE__, __LINE__, #expr, (expr), (want), __VA_ARGS__)
+#endif
 
 /* ---- processes -------------------------------------------------------------------------- */
 typedef enum { MP_BOOT_ID = 0, MP_BOOT_CALLBACK } mp_boot_t;
@@ -75,11 +80,14 @@ typedef struct {
 int mp_launch(const mp_launch_t *l, mp_proc_fn fn, void *arg);
 const char *mp_boot_name(mp_boot_t b);
 
-/* The world of one rank, through the launch's bootstrap. */
+/* The world of one rank, through the launch's bootstrap: on the host backend, or as wc says. */
 epx_status_t mp_world_create(mp_ctx_t *ctx, int nranks, int rank, epx_world_t **world);
+epx_status_t mp_world_create_with(mp_ctx_t *ctx, const epx_world_config_t *wc, int rank, epx_world_t **world);
 
 /* Seconds on the monotonic clock. */
 double mp_now(void);
+/* Whether msg names rank v ("rank v", not followed by a digit). */
+int mp_names_rank(const char *msg, int v);
 /* Open file descriptors of this process. */
 int mp_count_fds(void);
 /* Mappings of this process whose file is one of epx's shared segments (memfd "epx-..."). */

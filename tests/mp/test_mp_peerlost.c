@@ -37,17 +37,6 @@ typedef struct {
   int timeout_ms;
 } case_t;
 
-/* Whether msg names rank v (as "rank v" not followed by a digit). */
-static bool names_rank(const char *msg, int v) {
-  char pat[32];
-  snprintf(pat, sizeof pat, "rank %d", v);
-  for (const char *p = strstr(msg, pat); p; p = strstr(p + 1, pat)) {
-    char next = p[strlen(pat)];
-    if (next < '0' || next > '9') return true;
-  }
-  return false;
-}
-
 /* One rank's pipeline state. */
 typedef struct {
   epx_comm_t *comm;
@@ -121,7 +110,7 @@ static void check_failure(const case_t *c, const char *tag, const char *what, ep
     CHECK(secs < 0.75 * c->timeout_ms / 1000.0, "%s: %s took %.3f s to see the loss (timeout %d ms)", tag, what, secs,
           c->timeout_ms);
   }
-  CHECK(names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
+  CHECK(mp_names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
 }
 
 static void rank_main(mp_ctx_t *ctx) {
