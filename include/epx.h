@@ -143,7 +143,18 @@ EPX_API epx_backend_t epx_world_backend(const epx_world_t *world);
  * NCCL-style: one rank calls epx_get_unique_id (which starts the bootstrap listener on this
  * host), the caller shares the id with the other processes however it likes, and every
  * process calls epx_world_create_rank with it. Alternatively bootstrap over the caller's own
- * allgather (e.g. torch.distributed). The world then drives one rank: the one given. */
+ * allgather (e.g. torch.distributed). The world then drives one rank: the one given.
+ *
+ * Both backends work this way; every process must be on this host. On CUDA (wc->devices[rank]
+ * is this process's device; several processes may share one GPU, which the driver
+ * time-slices) each rank's comm makes one device arena at epx_comm_init that its peers map
+ * through CUDA IPC: everything they read lives there, including copies of the caller's x
+ * (dispatch), y and row weight gradients (combine). Its size follows the config (see the
+ * README); the environment variable EPX_IPC_ARENA_MB sets it in MiB, and a buffer that would
+ * not fit fails with EPX_ERR_OUT_OF_MEMORY naming it. Across processes epx_comm_destroy meets
+ * the peers' (bounded by the timeout) before it frees the arena, so destroy the comms of a
+ * group together. A rank whose process dies makes the others fail with EPX_ERR_PEER_LOST
+ * naming it, at the latest when their waits time out. */
 #define EPX_UNIQUE_ID_BYTES 128
 typedef struct {
   char internal[EPX_UNIQUE_ID_BYTES];
