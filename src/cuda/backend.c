@@ -38,8 +38,8 @@ typedef struct {
   epxc_state_t *state;
   epxc_group_t group;
   epxc_shape_t shape;
-  /* across processes: this rank's arena (its state first, then `heap`), exported to the peers,
-   * and the peers' arenas as mapped here; arena is NULL in one process */
+  /* across processes: this rank's arena (carved by `heap`, the state included), exported to
+   * the peers, and the peers' arenas as mapped here; arena is NULL in one process */
   char *arena;
   size_t arena_bytes;
   epxi_suballoc_t heap;
@@ -293,10 +293,10 @@ static void dev_free(cuda_comm_t *cc, void *p, cudaStream_t st) {
     cudaFreeAsync(p, st);
 }
 
-/* What a rank tells the others about its arena. */
+/* What a rank tells the others about its arena: addresses in its process. */
 typedef struct {
   cudaIpcMemHandle_t handle;
-  uint64_t base, bytes;
+  uint64_t base, state;
   int32_t status, pad;
 } ipc_card_t;
 
@@ -326,7 +326,7 @@ static int first_failed(const void *status, size_t stride, int n) {
   return -1;
 }
 
-/* Across processes, collective: this rank's arena made and exported (its state first), every
+/* Across processes, collective: this rank's arena made (its state in it) and exported, every
  * peer's opened, the peer table filled. Every rank succeeds or every rank fails, and a
  * failure leaves nothing behind. */
 static epx_status_t ipc_open(epx_comm_t *c, cuda_comm_t *cc) {
@@ -359,7 +359,7 @@ static epx_status_t ipc_open(epx_comm_t *c, cuda_comm_t *cc) {
   }
   mine.status = s;
   mine.base = (uint64_t)(uintptr_t)cc->arena;
-  mine.bytes = bytes;
+  mine.state = (uint64_t)(uintptr_t)cc->state;
   if (s != EPX_SUCCESS) snprintf(why, sizeof why, "%s", epx_last_error());
   epx_status_t x = epxi_group_allgather(grp, me, "comm_init:ipc", c->cfg.timeout_ms, &mine, sizeof mine, cards);
   int bad = x == EPX_SUCCESS ? first_failed(&cards[0].status, sizeof *cards, R) : -1;
@@ -387,9 +387,8 @@ static epx_status_t ipc_open(epx_comm_t *c, cuda_comm_t *cc) {
       snprintf(why, sizeof why, "%s", epx_last_error());
       break;
     }
-    /* the peer's state is the first thing in its arena */
     cc->group.delta[r] = (int64_t)((uint64_t)(uintptr_t)cc->mapped[r] - cards[r].base);
-    cc->group.state[r] = (epxc_state_t *)cc->mapped[r];
+    cc->group.state[r] = (epxc_state_t *)(uintptr_t)(cards[r].state + (uint64_t)cc->group.delta[r]);
   }
   int32_t vote = s, votes[EPX_MAX_RANKS];
   x = epxi_group_allgather(grp, me, "comm_init:ipc mapped", c->cfg.timeout_ms, &vote, sizeof vote, votes);

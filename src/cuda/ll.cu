@@ -109,8 +109,8 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
 }
 
 /* After the exchange (got[s][1] = s's plan): every rank's send side as this rank reads it, and
- * where every source's pairs land here. Fixed
- * blocks of R * max_tokens rows per local expert, packed by (source rank, source token). */
+ * where every source's pairs land here. Fixed blocks of R * max_tokens rows per local expert,
+ * packed by (source rank, source token). */
 static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan) {
   const int R = s->nranks, L = s->num_local, me = s->rank;
   const epxc_state_t *st = g->state[g->rank];
@@ -241,9 +241,8 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, ep
 /* ---- combine ------------------------------------------------------------------------------- */
 
 /* Across processes: the row weight gradients of the rows in use, copied where peers reach
- * them. Out of line: the combine's own loops keep their registers. */
-static __device__ __noinline__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *plan, const float *from,
-                                                float *to) {
+ * them (every block takes a share). */
+static __device__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *plan, const float *from, float *to) {
   const int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
   for (int l = 0; l < s->num_local; l++)
     for (int64_t i = i0; i < plan->pairs_local[l]; i += step) to[plan->block[l] + i] = from[plan->block[l] + i];

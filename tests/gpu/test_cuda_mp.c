@@ -192,7 +192,7 @@ static void run_lost(bool self_kill) {
   L->self_kill_after = self_kill ? tu_int(&tu_rng, 1, 4) : 0;
   mp_launch_t l = {.nprocs = LR, .boot = self_kill ? MP_BOOT_ID : MP_BOOT_CALLBACK, .limit_s = 90};
   l.expect_signal[L->victim] = SIGKILL;
-  if (!self_kill) l.kill_after_s[L->victim] = 2.0 + 2.0 * tu_unit(&tu_rng); /* CUDA start-up included */
+  if (!self_kill) l.kill_after_s[L->victim] = 3.0 + 2.0 * tu_unit(&tu_rng); /* CUDA start-up included */
   const double t0 = tu_now();
   const int bad = mp_launch(&l, lost_proc, L);
   CHECK(bad == 0, "%s: %d rank processes did not end as expected", self_kill ? "self kill" : "parent kill", bad);
@@ -224,6 +224,7 @@ static bool have_gpu(void) {
 
 int main(void) {
   tu_begin("test_cuda_mp");
+  setenv("EPX_TIMEOUT_MS", "10000", 1); /* bounds the bootstraps too */
   if (!have_gpu()) return GU_SKIP;
   mp_begin("test_cuda_mp (processes)");
   run_matches();
