@@ -45,7 +45,21 @@ static void *dev_event_create(void) {
   return e;
 }
 static void dev_event_destroy(void *e) { cudaEventDestroy((cudaEvent_t)e); }
-static void dev_event_record(void *e, void *s) { cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s); }
+/* Inside a capture the event becomes a node of the graph that records it at each replay (a
+ * plain record would only order the capture's streams). */
+static void dev_event_record(void *e, void *s) {
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing((cudaStream_t)s, &cs), "capture status");
+  check(cudaEventRecordWithFlags((cudaEvent_t)e, (cudaStream_t)s,
+                                 cs == cudaStreamCaptureStatusActive ? cudaEventRecordExternal : cudaEventRecordDefault),
+        "event record");
+}
+static int dev_bind_rank(int rank, int nranks) {
+  int n = 0;
+  check(cudaGetDeviceCount(&n), "device count");
+  check(cudaSetDevice(rank % n), "set device");
+  return n < nranks ? n : nranks;
+}
 static double dev_elapsed_ms(void *a, void *b) {
   float ms = 0;
   check(cudaEventSynchronize((cudaEvent_t)b), "event sync");
@@ -158,7 +172,7 @@ static void dev_graph_launch(void *e, void *s) { check(cudaGraphLaunch((cudaGrap
 static void dev_graph_destroy(void *e) { cudaGraphExecDestroy((cudaGraphExec_t)e); }
 
 extern "C" const bench_dev_t bench_cuda_dev = {
-    "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy,
+    "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy, dev_bind_rank,
     dev_event_create, dev_event_destroy, dev_event_record, dev_elapsed_ms, dev_standin_tokens, dev_standin_experts,
     dev_copy_bandwidth, dev_capture_begin, dev_capture_end, dev_graph_launch, dev_graph_destroy,
 };
