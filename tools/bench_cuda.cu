@@ -107,20 +107,19 @@ static __global__ void tokens_kernel(bench_standin_t a) {
   }
 }
 
+/* Only the counted rows of each expert's block: the padding and the unused rows of the
+ * low-latency blocks are left alone, so ranks sharing a GPU lend each other little time. */
 static __global__ void experts_kernel(bench_standin_t a) {
-  const int64_t n_elems = a.rows * a.hidden;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / a.hidden;
-    const int c = (int)(i % a.hidden);
-    int64_t start = 0;
-    int l = 0;
-    for (; l < a.num_local; l++) {
-      const int64_t block = a.ll_stride ? a.ll_stride : (a.counts[l] + a.align - 1) / a.align * a.align;
-      if (r < start + block) break;
-      start += block;
+  int64_t start = 0;
+  for (int l = 0; l < a.num_local; l++) {
+    const int64_t n_elems = (int64_t)a.counts[l] * a.hidden;
+    const float f = scale_of(a.rank * a.num_local + l);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t r = start + i / a.hidden;
+      const int c = (int)(i % a.hidden);
+      put(a.y, a.y_dtype, r * a.hidden + c, __fmul_rn(f, recv_value(a, r, c)));
     }
-    if (l == a.num_local || r >= start + a.counts[l]) continue; /* padding, or past the count */
-    put(a.y, a.y_dtype, i, __fmul_rn(scale_of(a.rank * a.num_local + l), recv_value(a, r, c)));
+    start += a.ll_stride ? a.ll_stride : (a.counts[l] + a.align - 1) / a.align * a.align;
   }
 }
 
