@@ -40,7 +40,7 @@ if want tests; then
   for mode in ht ll ll-split; do
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
-  run test_cuda_match timeout 300 "$build/tests/gpu/test_cuda_match"
+  run test_cuda_match timeout 240 "$build/tests/gpu/test_cuda_match"
   # the Python package on CUDA tensors (torch), against the CPU backend and dense references
   run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" timeout 300 python3 -m pytest -q -m gpu tests/python
 fi

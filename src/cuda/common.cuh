@@ -13,6 +13,17 @@
 #define EPXC_THREADS 1024
 #define EPXC_WARPS (EPXC_THREADS / 32)
 
+/* Host side of the epxc_preload_* functions: loads the kernels, keeps the largest stack. */
+static cudaError_t preload_kernels(const void *const *kernels, size_t n, size_t *stack) {
+  for (size_t i = 0; i < n; i++) {
+    struct cudaFuncAttributes a;
+    const cudaError_t e = cudaFuncGetAttributes(&a, kernels[i]);
+    if (e != cudaSuccess) return e;
+    if (a.localSizeBytes > *stack) *stack = a.localSizeBytes;
+  }
+  return cudaSuccess;
+}
+
 /* ---- ordering ------------------------------------------------------------------------- */
 
 /* System scope: a peer may sit on another GPU behind NVLink, or share this one. */

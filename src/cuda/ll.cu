@@ -331,9 +331,7 @@ extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epx
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_ll(void) {
-  struct cudaFuncAttributes f;
-  cudaError_t e = cudaFuncGetAttributes(&f, (const void *)ll_dispatch_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, (const void *)ll_combine_kernel);
-  return (int)e;
+extern "C" int epxc_preload_ll(size_t *stack) {
+  const void *const kernels[] = {(const void *)ll_dispatch_kernel, (const void *)ll_combine_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }
