@@ -445,6 +445,7 @@ def test_cuda_autograd_matches_cpu():
                 out = et.combine(h, y, res.recv_probs)
                 (out * torch.tensor(P.G[r], device=device)).sum().backward()
                 torch.cuda.synchronize()
+                comm.synchronize()  # a collective that failed on the device raises here, not as wrong numbers
                 return [t.detach().cpu() for t in (out, x.grad, w.grad, scale.grad, shift.grad)]
         return rank
 
