@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
-#   scripts/gpu_check.sh [tests|bench|nvlink|all]   (default all; nvlink needs 2+ GPUs)
+#   scripts/gpu_check.sh [tests] [bench] [nvlink] [all]   (default all; nvlink needs 2+ GPUs)
+# The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
+# on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:-all}
+what=" ${*:-all} "
+want() { [[ $what == *" $1 "* || $what == *" all "* ]]; }
 out=${OUT:-gpu-check-out}
 logs=$(mktemp -d)
 mkdir -p "$out"
@@ -32,18 +35,21 @@ run() { # name, command...
   return $rc
 }
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want tests; then
   run test_cuda_faults timeout 180 "$build/tests/gpu/test_cuda_faults"
   for mode in ht ll ll-split; do
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
-  run test_cuda_match timeout 300 "$build/tests/gpu/test_cuda_match"
+  run test_cuda_match timeout 240 "$build/tests/gpu/test_cuda_match"
   # one rank per process on this GPU (CUDA IPC), against the host backend; about a minute
   run test_cuda_mp timeout 180 "$build/tests/gpu/test_cuda_mp"
+  # the Python package on CUDA tensors (torch), against the CPU backend and dense references
+  run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" timeout 300 python3 -m pytest -q -m gpu tests/python
 fi
 
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  b="$build/epx-bench --backend cuda --json"
+if want bench; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  b="env CUDA_VISIBLE_DEVICES=${first%%,*} $build/epx-bench --backend cuda --json"
   run bench-default-check   $b --check
   run bench-ds3-token       $b --tokens 4096 --iters 10 --check
   run bench-ds3-expert      $b --tokens 4096 --iters 10 --layout expert --align 128 --check
@@ -61,7 +67,7 @@ fi
 # Several GPUs (issue 7): one rank per GPU through NVLink, and the NCCL all-to-all baseline of
 # the same shape (one process per GPU).
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-if { [ "$what" = nvlink ] || [ "$what" = all ]; } && [ "$ngpu" -ge 2 ]; then
+if want nvlink && [ "$ngpu" -ge 2 ]; then
   b="$build/epx-bench --backend cuda --json --ranks $ngpu"
   run "nvlink-ds3-expert-ep$ngpu"  $b --tokens 4096 --iters 10 --layout expert --align 128 --check
   run "nvlink-ds3-fp8-ep$ngpu"     $b --tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128

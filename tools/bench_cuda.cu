@@ -45,7 +45,21 @@ static void *dev_event_create(void) {
   return e;
 }
 static void dev_event_destroy(void *e) { cudaEventDestroy((cudaEvent_t)e); }
-static void dev_event_record(void *e, void *s) { cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s); }
+/* Inside a capture the event becomes a node of the graph that records it at each replay (a
+ * plain record would only order the capture's streams). */
+static void dev_event_record(void *e, void *s) {
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing((cudaStream_t)s, &cs), "capture status");
+  check(cudaEventRecordWithFlags((cudaEvent_t)e, (cudaStream_t)s,
+                                 cs == cudaStreamCaptureStatusActive ? cudaEventRecordExternal : cudaEventRecordDefault),
+        "event record");
+}
+static int dev_bind_rank(int rank, int nranks) {
+  int n = 0;
+  check(cudaGetDeviceCount(&n), "device count");
+  check(cudaSetDevice(rank % n), "set device");
+  return n < nranks ? n : nranks;
+}
 static double dev_elapsed_ms(void *a, void *b) {
   float ms = 0;
   check(cudaEventSynchronize((cudaEvent_t)b), "event sync");
@@ -93,20 +107,19 @@ static __global__ void tokens_kernel(bench_standin_t a) {
   }
 }
 
+/* Only the counted rows of each expert's block: the padding and the unused rows of the
+ * low-latency blocks are left alone, so ranks sharing a GPU lend each other little time. */
 static __global__ void experts_kernel(bench_standin_t a) {
-  const int64_t n_elems = a.rows * a.hidden;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / a.hidden;
-    const int c = (int)(i % a.hidden);
-    int64_t start = 0;
-    int l = 0;
-    for (; l < a.num_local; l++) {
-      const int64_t block = a.ll_stride ? a.ll_stride : (a.counts[l] + a.align - 1) / a.align * a.align;
-      if (r < start + block) break;
-      start += block;
+  int64_t start = 0;
+  for (int l = 0; l < a.num_local; l++) {
+    const int64_t n_elems = (int64_t)a.counts[l] * a.hidden;
+    const float f = scale_of(a.rank * a.num_local + l);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_elems; i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t r = start + i / a.hidden;
+      const int c = (int)(i % a.hidden);
+      put(a.y, a.y_dtype, r * a.hidden + c, __fmul_rn(f, recv_value(a, r, c)));
     }
-    if (l == a.num_local || r >= start + a.counts[l]) continue; /* padding, or past the count */
-    put(a.y, a.y_dtype, i, __fmul_rn(scale_of(a.rank * a.num_local + l), recv_value(a, r, c)));
+    start += a.ll_stride ? a.ll_stride : (a.counts[l] + a.align - 1) / a.align * a.align;
   }
 }
 
@@ -158,7 +171,7 @@ static void dev_graph_launch(void *e, void *s) { check(cudaGraphLaunch((cudaGrap
 static void dev_graph_destroy(void *e) { cudaGraphExecDestroy((cudaGraphExec_t)e); }
 
 extern "C" const bench_dev_t bench_cuda_dev = {
-    "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy,
+    "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy, dev_bind_rank,
     dev_event_create, dev_event_destroy, dev_event_record, dev_elapsed_ms, dev_standin_tokens, dev_standin_experts,
     dev_copy_bandwidth, dev_capture_begin, dev_capture_end, dev_graph_launch, dev_graph_destroy,
 };

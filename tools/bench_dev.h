@@ -30,6 +30,9 @@ typedef struct {
   void (*download)(void *dst, const void *src, size_t bytes);
   void *(*stream_create)(void);
   void (*stream_destroy)(void *stream);
+  /* Binds the calling thread to rank's device (epx's default placement: rank % devices) and
+   * says how many devices the ranks are on: one means every rank's timestamps compare. */
+  int (*bind_rank)(int rank, int nranks);
   /* Timestamps taken in stream order; elapsed_ms waits for the later one. */
   void *(*event_create)(void);
   void (*event_destroy)(void *ev);

@@ -4,12 +4,17 @@
  * A run: every rank draws tokens and a top-k routing, then per iteration computes the layout,
  * plans (notify), dispatches, runs a stand-in expert on what it received (global expert e
  * multiplies by dense_expert_scale(e), so routing mistakes change the result) and combines.
- * Times are the median over iterations of the slowest rank, taken in stream order (CUDA
- * events on the GPU). Every figure comes with its floor: the bytes the phase must move
+ * Times are taken in stream order (CUDA events on the GPU). A phase of a collective starts when
+ * its last rank enters it and ends when its last rank leaves it: with every rank on one device
+ * (or the host) all timestamps share a clock and that is what is measured, so one rank waiting
+ * for a peer still busy with the previous phase (the stand-in experts of 8 ranks take turns on
+ * one GPU) is not counted; with a device per rank it is the slowest rank's own time. The figure
+ * is the median over iterations. Every figure comes with its floor: the bytes the phase must move
  * through memory over the measured copy bandwidth (all ranks share one device when emulated). */
 #include <inttypes.h>
 #include <stdbool.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,9 +51,37 @@ typedef struct {
   float *w[EPX_MAX_RANKS];
   void *out[EPX_MAX_RANKS];
   sizes_t size[EPX_MAX_RANKS];
-  double *ms; /* [rank][iter][phase] */
+  double *stamp; /* [rank][iter][event]: ms since the iteration's origin (or the rank's first event) */
+  int shared_clock;
+  void *origin;  /* shared clock: recorded by rank 0 before each iteration, every rank idle */
+  /* the ranks meet between iterations; a rank that fails releases the others */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int arrived, generation, failed;
   char error[EPX_MAX_RANKS][512];
 } bench_t;
+
+/* Waits until every rank arrives (0), or a rank failed or 120 s passed (-1). */
+static int meet(bench_t *b, int fail) {
+  pthread_mutex_lock(&b->lock);
+  int rc = 0;
+  if (fail) b->failed = 1;
+  if (!b->failed && ++b->arrived == b->o.ranks) {
+    b->arrived = 0;
+    b->generation++;
+  } else if (!b->failed) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 120;
+    const int gen = b->generation;
+    while (gen == b->generation && !b->failed && rc == 0) rc = pthread_cond_timedwait(&b->cond, &b->lock, &until);
+    if (rc) b->failed = 1;
+  }
+  rc = b->failed ? -1 : 0;
+  pthread_cond_broadcast(&b->cond);
+  pthread_mutex_unlock(&b->lock);
+  return rc;
+}
 
 static uint64_t splitmix(uint64_t *s) {
   uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -82,6 +115,10 @@ static void host_event_record(void *ev, void *stream) {
   *(double *)ev = now();
 }
 static double host_elapsed_ms(void *a, void *b) { return (*(double *)b - *(double *)a) * 1e3; }
+static int host_bind_rank(int rank, int nranks) {
+  (void)rank, (void)nranks;
+  return 1;
+}
 
 static float recv_value(const bench_standin_t *a, int64_t row, int c) {
   if (a->recv_dtype == EPX_FLOAT32) return ((const float *)a->recv_x)[row * a->hidden + c];
@@ -145,7 +182,7 @@ static double host_copy_bandwidth(void) {
 }
 
 const bench_dev_t bench_host_dev = {
-    "host", host_alloc, host_release, host_copy, host_copy, host_stream_create, host_stream_destroy,
+    "host", host_alloc, host_release, host_copy, host_copy, host_stream_create, host_stream_destroy, host_bind_rank,
     host_event_create, free, host_event_record, host_elapsed_ms, host_standin_tokens, host_standin_experts,
     host_copy_bandwidth, NULL, NULL, NULL, NULL,
 };
@@ -171,6 +208,7 @@ static epx_status_t run_rank(int rank, void *arg) {
   epx_comm_t *comm = NULL;
   epx_handle_t *handle = NULL;
   void *ev[PH_COUNT + 1] = {0}, *graph = NULL;
+  dev->bind_rank(rank, R);
 
   /* Everything is allocated before the first collective call: an allocation must never
    * wait on the device while a peer's kernel waits on this rank. */
@@ -236,6 +274,14 @@ static epx_status_t run_rank(int rank, void *arg) {
    * each timed iteration replays it (the events are nodes of the graph). */
   for (int it = -o->warmup - (o->graph ? 1 : 0); it < o->iters; it++) {
     const bool capture = o->graph && it == -o->warmup;
+    if (b->shared_clock) { /* every rank idle, then the origin, then the iteration */
+      if (meet(b, 0)) goto done;
+      if (rank == 0) {
+        dev->event_record(b->origin, stream);
+        dev->elapsed_ms(b->origin, b->origin); /* waits for it */
+      }
+      if (meet(b, 0)) goto done;
+    }
     if (graph) {
       dev->graph_launch(graph, stream);
     } else {
@@ -261,8 +307,9 @@ static epx_status_t run_rank(int rank, void *arg) {
     }
     TRY(b, rank, epx_comm_synchronize(comm));
     if (it >= 0)
-      for (int ph = 0; ph < PH_COUNT; ph++)
-        b->ms[((size_t)rank * o->iters + it) * PH_COUNT + ph] = dev->elapsed_ms(ev[ph], ev[ph + 1]);
+      for (int i = 0; i <= PH_COUNT; i++)
+        b->stamp[((size_t)rank * o->iters + it) * (PH_COUNT + 1) + i] =
+            dev->elapsed_ms(b->shared_clock ? b->origin : ev[0], ev[i]);
   }
   dev->download(counts_host, counts, sizeof(int32_t) * L);
   dev->download(b->out[rank], out, (size_t)T * H * esize(o->x_dtype));
@@ -272,6 +319,7 @@ static epx_status_t run_rank(int rank, void *arg) {
     snprintf(b->error[rank], sizeof b->error[rank], "tokens_per_local_expert sums to %lld pairs, the routing has %lld",
              (long long)pairs, (long long)b->size[rank].recv_pairs);
 done:
+  if (b->error[rank][0]) meet(b, 1);
   if (graph) dev->graph_destroy(graph);
   epx_handle_destroy(handle);
   epx_comm_destroy(comm);
@@ -365,15 +413,19 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Median over iterations of the slowest rank, in ms. */
+/* Median over iterations, in ms, of the phase from its last rank's start to its last rank's
+ * end (shared clock), or of the slowest rank's own time. */
 static double phase_ms(const bench_t *b, int ph) {
   double *v = malloc(sizeof(double) * b->o.iters);
   for (int it = 0; it < b->o.iters; it++) {
-    v[it] = 0;
+    double start = -1e300, end = -1e300, own = 0;
     for (int r = 0; r < b->o.ranks; r++) {
-      double s = b->ms[((size_t)r * b->o.iters + it) * PH_COUNT + ph];
-      if (s > v[it]) v[it] = s;
+      const double *e = b->stamp + ((size_t)r * b->o.iters + it) * (PH_COUNT + 1);
+      if (e[ph] > start) start = e[ph];
+      if (e[ph + 1] > end) end = e[ph + 1];
+      if (e[ph + 1] - e[ph] > own) own = e[ph + 1] - e[ph];
     }
+    v[it] = b->shared_clock ? end - start : own;
   }
   qsort(v, b->o.iters, sizeof(double), cmp_double);
   double m = v[b->o.iters / 2];
@@ -527,7 +579,11 @@ int main(int argc, char **argv) {
   }
   free(perm);
   count_sizes(&b);
-  b.ms = calloc((size_t)o->ranks * o->iters * PH_COUNT, sizeof(double));
+  b.stamp = calloc((size_t)o->ranks * o->iters * (PH_COUNT + 1), sizeof(double));
+  pthread_mutex_init(&b.lock, NULL);
+  pthread_cond_init(&b.cond, NULL);
+  b.shared_clock = b.dev->bind_rank(0, o->ranks) == 1;
+  b.origin = b.dev->event_create();
   const double copy_bw = b.dev->copy_bandwidth();
 
   epx_run_ranks(o->ranks, run_rank, &b, NULL);
@@ -553,8 +609,8 @@ int main(int argc, char **argv) {
       }
     }
     printf("link bytes: rows that cross between ranks (a token crosses to a rank once); floor: bytes each phase\n"
-           "reads and writes in memory over the copy bandwidth; times: median over %d iterations of the slowest rank\n",
-           o->iters);
+           "reads and writes in memory over the copy bandwidth; times: median over %d iterations, %s\n",
+           o->iters, b.shared_clock ? "from the last rank's start to the last rank's end" : "the slowest rank's own");
     /* With a GPU per rank the floor is the link: the busiest rank's max(sent, received) over
      * NVLink 4's 450 GB/s per direction. */
     double busiest = 0;
@@ -590,7 +646,8 @@ int main(int argc, char **argv) {
     free(b.idx[r]);
     free(b.w[r]);
   }
-  free(b.ms);
+  free(b.stamp);
+  b.dev->event_destroy(b.origin);
   epx_world_destroy(b.world);
   return rc;
 }

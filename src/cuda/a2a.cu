@@ -173,11 +173,7 @@ extern "C" int epxc_a2a_pull_back(const epxc_shape_t *s, const epxc_group_t *g, 
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_a2a(void) {
-  struct cudaFuncAttributes f;
-  cudaError_t e = cudaFuncGetAttributes(&f, (const void *)permute_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, (const void *)gather_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, (const void *)sort_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, (const void *)pull_back_kernel);
-  return (int)e;
+extern "C" int epxc_preload_a2a(size_t *stack) {
+  const void *const kernels[] = {(const void *)permute_kernel, (const void *)gather_kernel, (const void *)sort_kernel, (const void *)pull_back_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

@@ -473,13 +473,19 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
                      "at once",
                      c->cfg.num_sms, sharing, dev, sharing * c->cfg.num_sms, prop.multiProcessorCount);
   /* Every kernel loaded before any rank can launch one (the allgather below is a barrier). */
-  cudaError_t pe = (cudaError_t)epxc_preload_exchange();
-  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_layout();
-  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ht();
-  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_a2a();
-  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ll();
-  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_stage();
+  size_t stack = 0, limit = 0;
+  cudaError_t pe = (cudaError_t)epxc_preload_exchange(&stack);
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_layout(&stack);
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ht(&stack);
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_a2a(&stack);
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_ll(&stack);
+  if (pe == cudaSuccess) pe = (cudaError_t)epxc_preload_stage(&stack);
   if (pe != cudaSuccess) return cuda_fail(pe, "loading the kernels");
+  /* A launch needing more stack than the limit first grows it, which waits for the device to
+   * go idle: a deadlock (until the timeout) while a peer's kernel spins on this rank. Grow it
+   * now, before any kernel of this group runs. */
+  CUDA_TRY(cudaDeviceGetLimit(&limit, cudaLimitStackSize), "cudaDeviceGetLimit");
+  if (stack > limit) CUDA_TRY(cudaDeviceSetLimit(cudaLimitStackSize, stack), "cudaDeviceSetLimit (stack)");
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;

@@ -13,6 +13,17 @@
 #define EPXC_THREADS 1024
 #define EPXC_WARPS (EPXC_THREADS / 32)
 
+/* Host side of the epxc_preload_* functions: loads the kernels, keeps the largest stack. */
+static cudaError_t preload_kernels(const void *const *kernels, size_t n, size_t *stack) {
+  for (size_t i = 0; i < n; i++) {
+    struct cudaFuncAttributes a;
+    const cudaError_t e = cudaFuncGetAttributes(&a, kernels[i]);
+    if (e != cudaSuccess) return e;
+    if (a.localSizeBytes > *stack) *stack = a.localSizeBytes;
+  }
+  return cudaSuccess;
+}
+
 /* ---- ordering ------------------------------------------------------------------------- */
 
 /* System scope: a peer may sit on another GPU behind NVLink, or share this one. */
@@ -130,20 +141,39 @@ static __device__ __forceinline__ size_t dtype_bytes(epx_dtype_t t) {
   return t == EPX_FLOAT32 ? 4 : t == EPX_BFLOAT16 ? 2 : 1;
 }
 
-/* Eight channels starting at `c` (a multiple of 8) of a float32 or bf16 row, widened. */
-static __device__ __forceinline__ void load8(const void *row, epx_dtype_t t, int64_t c, float *v) {
+/* Eight channels starting at `c` (a multiple of 8) of a float32 or bf16 row, as stored: bf16
+ * fills `lo` only. Loading and widening are apart so a lane can have several loads in flight. */
+typedef struct {
+  uint4 lo, hi;
+} raw8_t;
+
+static __device__ __forceinline__ raw8_t load_raw8(const void *row, epx_dtype_t t, int64_t c) {
+  raw8_t r;
   if (t == EPX_FLOAT32) {
-    const float4 *p = (const float4 *)((const float *)row + c);
-    float4 a = p[0], b = p[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    const uint4 *p = (const uint4 *)((const float *)row + c);
+    r.lo = p[0], r.hi = p[1];
   } else {
-    uint4 u = *(const uint4 *)((const uint16_t *)row + c);
-    uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    r.lo = *(const uint4 *)((const uint16_t *)row + c), r.hi = make_uint4(0, 0, 0, 0);
+  }
+  return r;
+}
+
+static __device__ __forceinline__ void widen8(raw8_t r, epx_dtype_t t, float *v) {
+  const uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+  if (t == EPX_FLOAT32) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = __uint_as_float(w[i]);
+  } else {
+#pragma unroll
     for (int i = 0; i < 4; i++) {
       v[2 * i] = __uint_as_float(w[i] << 16);
       v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
   }
+}
+
+static __device__ __forceinline__ void load8(const void *row, epx_dtype_t t, int64_t c, float *v) {
+  widen8(load_raw8(row, t, c), t, v);
 }
 
 static __device__ __forceinline__ void store8(void *row, epx_dtype_t t, int64_t c, const float *v) {

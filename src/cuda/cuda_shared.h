@@ -11,6 +11,7 @@
 #ifndef EPX_CUDA_SHARED_H
 #define EPX_CUDA_SHARED_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "epx.h"
@@ -213,13 +214,15 @@ typedef struct {
 
 /* ---- launchers (each returns cudaGetLastError() as an int) --------------------------- */
 
-/* Loads every kernel of a family now. With lazy loading, a kernel's first launch may wait for
- * the device to go idle, which never happens while a peer's exchange spins on this rank. */
-int epxc_preload_exchange(void);
-int epxc_preload_layout(void);
-int epxc_preload_ht(void);
-int epxc_preload_a2a(void);
-int epxc_preload_ll(void);
+/* Loads every kernel of a family now and raises *stack to the most local memory per thread
+ * any of them needs. With lazy loading a kernel's first launch may wait for the device to go
+ * idle, and so does a launch that needs more stack than the device's limit: neither ever
+ * happens while a peer's exchange spins on this rank. */
+int epxc_preload_exchange(size_t *stack);
+int epxc_preload_layout(size_t *stack);
+int epxc_preload_ht(size_t *stack);
+int epxc_preload_a2a(size_t *stack);
+int epxc_preload_ll(size_t *stack);
 
 /* Low-latency: one launch each. Dispatch plans (from `r`), stages this rank's tokens, meets the
  * peers in one exchange and pulls; combine reduces partials, meets, and sums. */
@@ -269,7 +272,7 @@ int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc
 enum { EPXC_STAGE_RECV = 0, EPXC_STAGE_ROWS = 1 };
 int epxc_stage_rows(const epxc_group_t *g, epxc_plan_t *plan_dev, int count, const void *src, void *dst,
                     int64_t row_bytes, int64_t cap_rows, int num_sms, void *stream);
-int epxc_preload_stage(void);
+int epxc_preload_stage(size_t *stack);
 
 #ifdef __cplusplus
 }

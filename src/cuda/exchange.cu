@@ -14,9 +14,7 @@ extern "C" int epxc_exchange(const epxc_group_t *g, int phase, const uint64_t *w
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_exchange(void) {
-  struct cudaFuncAttributes a;
-  cudaError_t e = cudaSuccess;
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)exchange_kernel);
-  return (int)e;
+extern "C" int epxc_preload_exchange(size_t *stack) {
+  const void *const kernels[] = {(const void *)exchange_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

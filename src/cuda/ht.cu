@@ -135,11 +135,7 @@ extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g,
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_ht(void) {
-  struct cudaFuncAttributes a;
-  cudaError_t e = cudaSuccess;
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)dispatch_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)partials_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)reduce_kernel);
-  return (int)e;
+extern "C" int epxc_preload_ht(size_t *stack) {
+  const void *const kernels[] = {(const void *)dispatch_kernel, (const void *)partials_kernel, (const void *)reduce_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

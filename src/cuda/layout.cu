@@ -149,13 +149,7 @@ extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, 
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_layout(void) {
-  struct cudaFuncAttributes a;
-  cudaError_t e = cudaSuccess;
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)layout_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)build_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)prefix_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)status_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, (const void *)finish_kernel);
-  return (int)e;
+extern "C" int epxc_preload_layout(size_t *stack) {
+  const void *const kernels[] = {(const void *)layout_kernel, (const void *)build_kernel, (const void *)prefix_kernel, (const void *)status_kernel, (const void *)finish_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

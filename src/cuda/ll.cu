@@ -67,6 +67,22 @@ static __device__ bool wait_ready(const epxc_group_t *g, epxc_state_t *st, uint6
   return ready;
 }
 
+/* A decode step has fewer rows than the launch has warps: rows that one warp would move alone
+ * are cut into slices of whole 256-channel chunks (so fp8 blocks of 128 stay whole), as many
+ * as keep every warp busy. Slice i of a row covers channels [i * width, min(H, (i+1) * width)). */
+typedef struct {
+  int64_t width;
+  int64_t count;
+} slicing_t;
+
+static __device__ slicing_t slicing(int64_t rows, int hidden) {
+  const int64_t chunks = (hidden + 255) / 256;
+  int64_t want = rows > 0 ? (warp_count() + rows - 1) / rows : 1;
+  want = want < 1 ? 1 : want > chunks ? chunks : want;
+  const int64_t width = (chunks + want - 1) / want * 256;
+  return (slicing_t){width, (hidden + width - 1) / width};
+}
+
 /* ---- planning (block 0) -------------------------------------------------------------------- */
 
 /* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. */
@@ -116,12 +132,16 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
   const epxc_state_t *st = g->state[g->rank];
   if (threadIdx.x < R) peer_view(g, threadIdx.x, st->got[threadIdx.x][1], &plan->peer[threadIdx.x]);
   __syncthreads();
+  /* every (expert, source) count read at once: one round trip to the peers, not R */
+  __shared__ int32_t count[EPX_MAX_EXPERTS]; /* [L, R] */
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x) count[i] = plan->peer[i % R].counts[R + me * L + i / R];
+  __syncthreads();
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int64_t n = 0;
     const int64_t block = (int64_t)l * R * s->max_tokens;
     for (int q = 0; q < R; q++) {
       plan->pair_base[(int64_t)l * R + q] = block + n;
-      n += plan->peer[q].counts[R + me * L + l];
+      n += count[l * R + q];
     }
     plan->pairs_local[l] = (int32_t)n;
     plan->block[l] = block;
@@ -160,16 +180,18 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
   if (!complete) {
     const int64_t T = route.num_tokens;
     if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
-    if (T <= s.max_tokens)
-      for (int64_t t = warp_global(); t < T; t += warp_count()) {
-        void *dst = row_at_mut(ll->stage[p], stage_dtype, t, H);
-        float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks : NULL;
-        const float one = 1.0f;
-        if (stage_dtype == a.x_dtype)
-          copy_row_raw(row_at(a.x, a.x_dtype, t, H), &dst, 1, (int64_t)H * dtype_bytes(a.x_dtype));
-        else
-          convert_row(row_at(a.x, a.x_dtype, t, H), a.x_dtype, stage_dtype, H, &dst, &dscale, &one, 0, 1);
-      }
+    const slicing_t sl = slicing(T, H);
+    for (int64_t i = warp_global(); T <= s.max_tokens && i < T * sl.count; i += warp_count()) {
+      const int64_t t = i / sl.count, c = i % sl.count * sl.width, w = min(sl.width, (int64_t)H - c);
+      const void *in = (const char *)row_at(a.x, a.x_dtype, t, H) + c * dtype_bytes(a.x_dtype);
+      void *dst = (char *)row_at_mut(ll->stage[p], stage_dtype, t, H) + c * dtype_bytes(stage_dtype);
+      float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks + c / EPX_FP8_BLOCK : NULL;
+      const float one = 1.0f;
+      if (stage_dtype == a.x_dtype)
+        copy_row_raw(in, &dst, 1, w * (int64_t)dtype_bytes(a.x_dtype));
+      else
+        convert_row(in, a.x_dtype, stage_dtype, (int)w, &dst, &dscale, &one, 0, 1);
+    }
     const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_DISPATCH);
     if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
     if (blockIdx.x == 0) {
@@ -198,36 +220,35 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
   if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
   write_counts(&s, plan, &a);
 
+  /* (source, token) pairs spread over every warp: a source alone has fewer tokens than warps */
   const size_t row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
-  for (int src_rank = 0; src_rank < R; src_rank++) {
+  for (int64_t i = warp_global(); i < (int64_t)R * s.max_tokens; i += warp_count()) {
+    const int src_rank = (int)(i / s.max_tokens);
+    const int64_t t = i % s.max_tokens;
     const epxc_peer_t *src = &plan->peer[src_rank];
+    if (t >= src->num_tokens || !bit_set(src->rank_bits + (int64_t)me * src->words, t)) continue;
     const void *stage = got_ptr(&g, src_rank, 2);
     const float *stage_scales = (const float *)got_ptr(&g, src_rank, 3);
-    const epx_dtype_t src_dtype = (epx_dtype_t)g.state[g.rank]->got[src_rank][4]; /* as the source staged it */
-    const int64_t Ts = src->num_tokens, W = src->words;
-    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
-    for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
-      if (!bit_set(bits, t)) continue;
-      int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
-      int64_t row[EPX_MAX_TOPK];
-      float factor[EPX_MAX_TOPK];
-      const int m = local_slots(&s, plan, src_rank, src, t, local, row, factor, slot);
-      void *dst[EPX_MAX_TOPK];
-      float *dscale[EPX_MAX_TOPK];
-      for (int j = 0; j < m; j++) {
-        dst[j] = row_at_mut(a.recv_x, a.recv_dtype, row[j], H);
-        dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
-        if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
-      }
-      const void *in = row_at(stage, src_dtype, t, H);
-      if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */
-        convert_row(in, src_dtype, a.recv_dtype, H, dst, dscale, factor, scaled, m);
-      } else {
-        copy_row_raw(in, dst, m, (int64_t)row_bytes);
-        if (fp8)
-          for (int j = 0; j < m; j++)
-            for (int b = lane; b < blocks; b += 32) dscale[j][b] = stage_scales[t * blocks + b];
-      }
+    const epx_dtype_t src_dtype = (epx_dtype_t)st->got[src_rank][4]; /* as the source staged it */
+    int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
+    int64_t row[EPX_MAX_TOPK];
+    float factor[EPX_MAX_TOPK];
+    const int m = local_slots(&s, plan, src_rank, src, t, local, row, factor, slot);
+    void *dst[EPX_MAX_TOPK];
+    float *dscale[EPX_MAX_TOPK];
+    for (int j = 0; j < m; j++) {
+      dst[j] = row_at_mut(a.recv_x, a.recv_dtype, row[j], H);
+      dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
+      if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
+    }
+    const void *in = row_at(stage, src_dtype, t, H);
+    if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */
+      convert_row(in, src_dtype, a.recv_dtype, H, dst, dscale, factor, scaled, m);
+    } else {
+      copy_row_raw(in, dst, m, (int64_t)row_bytes);
+      if (fp8)
+        for (int j = 0; j < m; j++)
+          for (int b = lane; b < blocks; b += 32) dscale[j][b] = stage_scales[t * blocks + b];
     }
   }
 }
@@ -264,14 +285,12 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
   if (!complete) {
     /* partials of the tokens that came here: row (source, token), local experts ascending */
     void *partials = ll->partials[calls & 1];
-    for (int src_rank = 0; src_rank < R && live; src_rank++) {
+    for (int64_t i = warp_global(); live && i < (int64_t)R * s.max_tokens; i += warp_count()) {
+      const int src_rank = (int)(i / s.max_tokens);
+      const int64_t t = i % s.max_tokens;
       const epxc_peer_t *src = &plan->peer[src_rank];
-      const int64_t Ts = src->num_tokens, W = src->words;
-      const uint32_t *bits = src->rank_bits + (int64_t)me * W;
-      for (int64_t t = warp_global(); t < Ts; t += warp_count()) {
-        if (!bit_set(bits, t)) continue;
-        partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(partials, a.y_dtype, (int64_t)src_rank * s.max_tokens + t, H));
-      }
+      if (t >= src->num_tokens || !bit_set(src->rank_bits + (int64_t)me * src->words, t)) continue;
+      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(partials, a.y_dtype, i, H));
     }
     /* Across processes peers reach only this rank's arena: the weight gradients go there first
      * (double-buffered like the partials, for the same reason). */
@@ -306,14 +325,18 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
 
   /* this rank's tokens: partials summed in destination order */
   const int64_t T = plan->num_tokens, W = plan->words;
-  for (int64_t t = warp_global(); t < T; t += warp_count()) {
+  const slicing_t sl = slicing(T, H);
+  for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
+    const int64_t t = i / sl.count, c = i % sl.count * sl.width, w = min(sl.width, (int64_t)H - c);
     const void *rows[EPX_MAX_RANKS];
     int m = 0;
     for (int d = 0; d < R; d++)
       if (bit_set(plan->rank_bits + (int64_t)d * W, t))
-        rows[m++] = row_at(got_ptr(&g, d, 1), a.y_dtype, (int64_t)me * s.max_tokens + t, H);
-    reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
-    slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
+        rows[m++] = (const char *)row_at(got_ptr(&g, d, 1), a.y_dtype, (int64_t)me * s.max_tokens + t, H) +
+                    c * dtype_bytes(a.y_dtype);
+    reduce_rows(rows, NULL, m, a.y_dtype, (char *)row_at_mut(a.out, a.out_dtype, t, H) + c * dtype_bytes(a.out_dtype),
+                a.out_dtype, (int)w);
+    if (c == 0) slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }
 
@@ -323,9 +346,7 @@ extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epx
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_ll(void) {
-  struct cudaFuncAttributes f;
-  cudaError_t e = cudaFuncGetAttributes(&f, (const void *)ll_dispatch_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, (const void *)ll_combine_kernel);
-  return (int)e;
+extern "C" int epxc_preload_ll(size_t *stack) {
+  const void *const kernels[] = {(const void *)ll_dispatch_kernel, (const void *)ll_combine_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

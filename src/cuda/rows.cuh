@@ -70,12 +70,14 @@ static __device__ void copy_row_raw(const void *src, void *const *dst, int m, in
 }
 
 /* Converts a row to m destinations, each scaled by its factor (1 leaves it as is), in the
- * receive type; fp8 rows get one scale per 128 channels. */
+ * receive type; fp8 rows get one scale per 128 channels. Otherwise a lane loads two 8-channel
+ * chunks before it converts either, so two loads are in flight. */
 static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dtype_t recv_dtype, int hidden,
                                    void *const *dst, float *const *scales, const float *factor, int scaled, int m) {
   const int lane = lane_id();
   if (recv_dtype == EPX_FP8_E4M3) {
-    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. */
+    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. One chunk at a time:
+     * holding two costs spills that lose more than the second load gains. */
     for (int64_t c0 = 0; c0 < hidden; c0 += 256) {
       const int64_t c = c0 + 8 * lane;
       const bool live = c < hidden;
@@ -103,14 +105,22 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
     return;
   }
   const int64_t vec_end = hidden / 8 * 8;
-  for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-    float x[8];
-    load8(src, x_dtype, c, x);
-    for (int j = 0; j < m; j++) {
-      float v[8];
+  for (int64_t c0 = 8 * lane; c0 < vec_end; c0 += 512) {
+    const bool second = c0 + 256 < vec_end;
+    raw8_t raw[2];
+    raw[0] = load_raw8(src, x_dtype, c0);
+    if (second) raw[1] = load_raw8(src, x_dtype, c0 + 256);
 #pragma unroll
-      for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
-      store8(dst[j], recv_dtype, c, v);
+    for (int h = 0; h < 2; h++) {
+      if (h == 1 && !second) break;
+      float x[8];
+      widen8(raw[h], x_dtype, x);
+      for (int j = 0; j < m; j++) {
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
+        store8(dst[j], recv_dtype, c0 + 256 * h, v);
+      }
     }
   }
   for (int64_t c = vec_end + lane; c < hidden; c += 32) {
@@ -159,20 +169,44 @@ static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g,
 
 /* out = round(sum over j < m, in order, of fl(w[j] * float(rows[j]))), one row by a warp;
  * w NULL sums the rows as they are. Every product is rounded before it is added, the sum is
- * float32 from 0, rounded once: the contract's arithmetic. */
+ * float32 from 0, rounded once: the contract's arithmetic. A lane takes two 8-channel chunks
+ * and loads two rows of each before adding, so four loads are in flight (one is far from
+ * enough to cover the latency of a peer's memory). */
 static __device__ void reduce_rows(const void *const *rows, const float *w, int m, epx_dtype_t in_dtype, void *out,
                                    epx_dtype_t out_dtype, int hidden) {
   const int lane = lane_id();
   const int64_t vec_end = hidden / 8 * 8;
-  for (int64_t c = 8 * lane; c < vec_end; c += 256) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < m; j++) {
-      float v[8];
-      load8(rows[j], in_dtype, c, v);
+  for (int64_t c0 = 8 * lane; c0 < vec_end; c0 += 512) {
+    const bool second = c0 + 256 < vec_end;
+    float acc[2][8];
 #pragma unroll
-      for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], w ? __fmul_rn(w[j], v[i]) : v[i]);
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[h][i] = 0.0f;
+    for (int j0 = 0; j0 < m; j0 += 2) {
+      raw8_t r[2][2];
+#pragma unroll
+      for (int u = 0; u < 2; u++)
+        if (j0 + u < m) {
+          r[u][0] = load_raw8(rows[j0 + u], in_dtype, c0);
+          if (second) r[u][1] = load_raw8(rows[j0 + u], in_dtype, c0 + 256);
+        }
+#pragma unroll
+      for (int u = 0; u < 2; u++) {
+        if (j0 + u >= m) break;
+        const float wj = w ? w[j0 + u] : 1.0f;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          if (h == 1 && !second) break;
+          float v[8];
+          widen8(r[u][h], in_dtype, v);
+#pragma unroll
+          for (int i = 0; i < 8; i++) acc[h][i] = __fadd_rn(acc[h][i], w ? __fmul_rn(wj, v[i]) : v[i]);
+        }
+      }
     }
-    store8(out, out_dtype, c, acc);
+    store8(out, out_dtype, c0, acc[0]);
+    if (second) store8(out, out_dtype, c0 + 256, acc[1]);
   }
   for (int64_t c = vec_end + lane; c < hidden; c += 32) {
     float acc = 0.0f;

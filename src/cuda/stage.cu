@@ -31,7 +31,7 @@ extern "C" int epxc_stage_rows(const epxc_group_t *g, epxc_plan_t *plan_dev, int
   return (int)cudaGetLastError();
 }
 
-extern "C" int epxc_preload_stage(void) {
-  struct cudaFuncAttributes f;
-  return (int)cudaFuncGetAttributes(&f, (const void *)stage_kernel);
+extern "C" int epxc_preload_stage(size_t *stack) {
+  const void *const kernels[] = {(const void *)stage_kernel};
+  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

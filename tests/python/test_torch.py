@@ -78,7 +78,7 @@ def expert_rows(recv_x, counts, scale, shift, align=1, probs=None):
         c = int(counts[l])
         size = (c + align - 1) // align * align
         blk = recv_x[start:start + c] * scale[l] + shift[l]
-        out.append(torch.cat([blk, torch.zeros(size - c, H)], 0))
+        out.append(torch.cat([blk, torch.zeros(size - c, H, device=recv_x.device)], 0))
         start += size
     y = torch.cat(out, 0) if out else recv_x[:0]
     if probs is not None:
@@ -200,6 +200,12 @@ def test_replanned_handle_refuses_backward():
 
 @pytest.mark.parametrize("apply_in_combine", [False, True])
 def test_flex_dispatcher_train_then_decode(apply_in_combine):
+    flex_train_then_decode(apply_in_combine, "cpu")
+
+
+def flex_train_then_decode(apply_in_combine, device):
+    """One model trains a step (high-throughput, with backward) then decodes (low-latency)
+    through the same dispatcher; both against the dense float64 layer."""
     P = Params(35)
     rng = np.random.default_rng(35)
     logits = [rng.standard_normal((T, E)).astype(np.float32) for T in TOKENS]
@@ -227,23 +233,28 @@ def test_flex_dispatcher_train_then_decode(apply_in_combine):
         return d.combine_postprocess(y)
 
     def rank(world, r):
-        x, _, scale, shift = leaves(P, r)
-        lg = torch.tensor(logits[r], requires_grad=True)
+        x, _, scale, shift = (t.detach().to(device).requires_grad_() for t in leaves(P, r))
+        lg = torch.tensor(logits[r], device=device, requires_grad=True)
         with world.comm(r, **CFG) as comm:
             d = et.FlexTokenDispatcher(comm, align=4, apply_probs_in_combine=apply_in_combine)
             m, probs = route(lg)
             out = layer(d, x, m, probs, scale, shift)
             assert out.shape == (1, TOKENS[r], H)
-            (out[0] * torch.tensor(P.G[r])).sum().backward()
+            (out[0] * torch.tensor(P.G[r], device=device)).sum().backward()
             train = (out.detach()[0], x.grad, lg.grad, scale.grad, shift.grad)
             d.set_mode("decode")  # prefill -> decode is one call
             assert d.algo == "ll"
             with torch.no_grad():
                 dec = layer(d, x, m, probs, scale, shift)[0]
+            comm.synchronize()
             d.close()
-            return train, dec
+            return tuple(t.cpu() for t in train), dec.cpu()
 
-    got = run_ranks(rank)
+    if device == "cpu":
+        got = run_ranks(rank)
+    else:
+        with epx.World(R, backend="cuda", devices=[0] * R) as world:
+            got = world.run(lambda r: rank(world, r))
     # dense reference with the same router, float64
     lgs = [torch.tensor(lg, dtype=torch.float64, requires_grad=True) for lg in logits]
     idxs, wts = [], []
@@ -434,6 +445,7 @@ def test_cuda_autograd_matches_cpu():
                 out = et.combine(h, y, res.recv_probs)
                 (out * torch.tensor(P.G[r], device=device)).sum().backward()
                 torch.cuda.synchronize()
+                comm.synchronize()  # a collective that failed on the device raises here, not as wrong numbers
                 return [t.detach().cpu() for t in (out, x.grad, w.grad, scale.grad, shift.grad)]
         return rank
 
@@ -445,6 +457,14 @@ def test_cuda_autograd_matches_cpu():
         assert torch.equal(a[0], b[0])  # the layer's output: same bits on both backends
         for ta, tb in zip(a[1:], b[1:]):  # gradients also go through torch's own reductions
             torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("apply_in_combine", [False, True])
+def test_cuda_flex_dispatcher_train_then_decode(apply_in_combine):
+    """Prefill/training and decode in one model on CUDA tensors, against the dense float64 layer."""
+    flex_train_then_decode(apply_in_combine, "cuda")
 
 
 @gpu
