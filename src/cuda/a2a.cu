@@ -174,6 +174,8 @@ extern "C" int epxc_a2a_pull_back(const epxc_shape_t *s, const epxc_group_t *g, 
 }
 
 extern "C" int epxc_preload_a2a(size_t *stack) {
-  const void *const kernels[] = {(const void *)permute_kernel, (const void *)gather_kernel, (const void *)sort_kernel, (const void *)pull_back_kernel};
+  const void *const kernels[] = {
+      (const void *)permute_kernel, (const void *)gather_kernel, (const void *)sort_kernel,
+      (const void *)pull_back_kernel};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

@@ -136,6 +136,7 @@ extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g,
 }
 
 extern "C" int epxc_preload_ht(size_t *stack) {
-  const void *const kernels[] = {(const void *)dispatch_kernel, (const void *)partials_kernel, (const void *)reduce_kernel};
+  const void *const kernels[] = {
+      (const void *)dispatch_kernel, (const void *)partials_kernel, (const void *)reduce_kernel};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

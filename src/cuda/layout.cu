@@ -150,6 +150,8 @@ extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, 
 }
 
 extern "C" int epxc_preload_layout(size_t *stack) {
-  const void *const kernels[] = {(const void *)layout_kernel, (const void *)build_kernel, (const void *)prefix_kernel, (const void *)status_kernel, (const void *)finish_kernel};
+  const void *const kernels[] = {
+      (const void *)layout_kernel, (const void *)build_kernel, (const void *)prefix_kernel,
+      (const void *)status_kernel, (const void *)finish_kernel};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }
