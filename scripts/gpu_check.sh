@@ -41,8 +41,8 @@ if want tests; then
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
   run test_cuda_match timeout 240 "$build/tests/gpu/test_cuda_match"
-  # one rank per process on this GPU (CUDA IPC), against the host backend; about a minute
-  run test_cuda_mp timeout 180 "$build/tests/gpu/test_cuda_mp"
+  # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend
+  run test_cuda_mp timeout 240 "$build/tests/gpu/test_cuda_mp"
   # the Python package on CUDA tensors (torch), against the CPU backend and dense references
   run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" timeout 300 python3 -m pytest -q -m gpu tests/python
 fi

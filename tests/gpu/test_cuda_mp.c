@@ -1,5 +1,5 @@
-/* The CUDA backend across processes: one rank per process, every process on GPU 0 (peers reach
- * each other through their CUDA IPC arenas), through both bootstraps (unique id, caller's
+/* The CUDA backend across processes: one rank per process, rank r on visible GPU r % count (so
+ * on one GPU every process shares it; peers reach each other through their CUDA IPC arenas), through both bootstraps (unique id, caller's
  * allgather):
  *   match      gpuutil's whole sequence (notify, dispatch, combine, both backward passes) for
  *              the high-throughput, all-to-all and low-latency algorithms in both layouts, with
@@ -44,9 +44,12 @@ typedef struct {
   const gu_result_t *host;
 } match_t;
 
-/* This process's world: rank `rank` of R, every rank on GPU 0. */
+/* This process's world: rank `rank` of R, rank r on GPU r % count. */
 static epx_status_t cuda_world(mp_ctx_t *ctx, int R, int rank, epx_world_t **w) {
-  static int devices[EPX_MAX_RANKS]; /* all 0 */
+  static int devices[EPX_MAX_RANKS];
+  int count = 1;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) count = 1;
+  for (int r = 0; r < R; r++) devices[r] = r % count;
   epx_world_config_t wc;
   epx_world_config_init(&wc);
   wc.backend = EPX_BACKEND_CUDA;
