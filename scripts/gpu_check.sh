@@ -44,7 +44,7 @@ if want tests; then
   # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend
   run test_cuda_mp timeout 240 "$build/tests/gpu/test_cuda_mp"
   # the Python package on CUDA tensors (torch), against the CPU backend and dense references
-  run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" timeout 300 python3 -m pytest -q -m gpu tests/python
+  run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -m gpu tests/python
 fi
 
 if want bench; then

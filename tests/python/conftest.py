@@ -18,6 +18,7 @@ if os.environ.get("EPX_TEST_INSTALLED") != "1":
     sys.path.insert(0, str(ROOT / "python"))
 
 import epx  # noqa: E402
+import moe_ref  # noqa: E402  (draws the run's base seed)
 
 if os.environ.get("EPX_TEST_INSTALLED") == "1":
     # Make sure the installed copy (and its own libepx) is what runs.
@@ -30,7 +31,8 @@ def pytest_report_header(config):
     except Exception as e:  # pragma: no cover
         lib = f"NOT FOUND ({e})"
     return [f"epx package: {Path(epx.__file__).parent}", f"libepx: {lib}",
-            f"cuda backend: {epx.backend_available('cuda') if not lib.startswith('NOT') else '?'}"]
+            f"cuda backend: {epx.backend_available('cuda') if not lib.startswith('NOT') else '?'}",
+            f"random inputs: EPX_TEST_SEED={moe_ref.BASE_SEED} (set it to replay this run)"]
 
 
 def pytest_configure(config):
@@ -48,3 +50,7 @@ def world4():
 def world2():
     with epx.World(2, backend="host") as w:
         yield w
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"random inputs: EPX_TEST_SEED={moe_ref.BASE_SEED}")

@@ -1,25 +1,41 @@
 """An independent numpy statement of what epx must do: inputs, a dense MoE reference, and the
-expected contents of dispatch's outputs. Nothing here calls epx."""
+expected contents of dispatch's outputs. Nothing here calls epx.
+
+Every random input is drawn from ``rng(stream)``: a generator for one numbered stream of the
+run's base seed, fresh per run (``EPX_TEST_SEED`` replays one; conftest prints it). Child
+processes inherit the base seed through the environment."""
+
+import os
+import secrets
 
 import numpy as np
+
+if not os.environ.get("EPX_TEST_SEED"):
+    os.environ["EPX_TEST_SEED"] = str(secrets.randbits(32))
+BASE_SEED = int(os.environ["EPX_TEST_SEED"])
+
+
+def rng(stream):
+    """The generator of one numbered stream of this run's inputs."""
+    return np.random.default_rng([BASE_SEED, stream])
 
 
 def make_inputs(seed, R, E, H, K, tokens, none_frac=0.15):
     """Per rank: x [T, H] float32 in [-2, 2), topk_idx [T, K] int64 (distinct experts, some
     slots -1), topk_weights [T, K] float32 in (0, 1) (also on -1 slots: epx must ignore them)."""
-    rng = np.random.default_rng(seed)
+    g = rng(seed)
     xs, idxs, ws = [], [], []
     for r in range(R):
         T = tokens[r]
-        x = rng.uniform(-2, 2, (T, H)).astype(np.float32)
+        x = g.uniform(-2, 2, (T, H)).astype(np.float32)
         idx = np.full((T, K), -1, np.int64)
         for t in range(T):
-            chosen = rng.choice(E, K, replace=False)
-            keep = rng.random(K) >= none_frac
+            chosen = g.choice(E, K, replace=False)
+            keep = g.random(K) >= none_frac
             if not keep.any():
-                keep[rng.integers(K)] = True
+                keep[g.integers(K)] = True
             idx[t] = np.where(keep, chosen, -1)
-        w = rng.uniform(0.05, 1.0, (T, K)).astype(np.float32)
+        w = g.uniform(0.05, 1.0, (T, K)).astype(np.float32)
         xs.append(x)
         idxs.append(idx)
         ws.append(w)
@@ -56,9 +72,9 @@ class Experts:
     """Global expert e: f_e(x) = x * scale[e] + shift[e] (elementwise, float32)."""
 
     def __init__(self, seed, E, H):
-        rng = np.random.default_rng(seed + 1000)
-        self.scale = rng.uniform(0.5, 1.5, (E, H)).astype(np.float32)
-        self.shift = rng.uniform(-0.5, 0.5, (E, H)).astype(np.float32)
+        g = rng(seed + 1000)
+        self.scale = g.uniform(0.5, 1.5, (E, H)).astype(np.float32)
+        self.shift = g.uniform(-0.5, 0.5, (E, H)).astype(np.float32)
 
     def __call__(self, e, x):
         return (x * self.scale[e] + self.shift[e]).astype(np.float32)

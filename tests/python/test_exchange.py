@@ -14,6 +14,7 @@ from moe_ref import (
     expected_token_layout,
     f32_round_bf16,
     make_inputs,
+    rng,
     to_map,
 )
 
@@ -152,7 +153,7 @@ def test_expert_layout_moe(world4, align, form):
 
 def test_expert_layout_unweighted_and_row_probs(world4):
     xs, idxs, ws = make_inputs(3, R, E, H, K, TOKENS)
-    rng = np.random.default_rng(3)
+    g = rng(3)
     qs = [None] * R
 
     def rank(r):
@@ -163,7 +164,7 @@ def test_expert_layout_unweighted_and_row_probs(world4):
             return res, y, h.combine(y, weighted=False), h.combine(y, row_probs=q[: y.shape[0]])
 
     # row_probs override: fixed per rank, drawn before the threads start
-    rng_q = [rng.uniform(0, 1, 64).astype(np.float32) for _ in range(R)]
+    rng_q = [g.uniform(0, 1, 64).astype(np.float32) for _ in range(R)]
     got = world4.run(rank)
     ys, keys = [], []
     for d in range(R):
@@ -249,7 +250,7 @@ def test_low_latency_preallocated_buffer(world2):
 @pytest.mark.parametrize("layout", ["token", "expert"])
 def test_replay_and_weight_grad_routing(world4, layout):
     xs, idxs, ws = make_inputs(6, R, E, H, K, TOKENS)
-    gs = [np.random.default_rng(60 + r).uniform(-1, 1, (TOKENS[r], H)).astype(np.float32) for r in range(R)]
+    gs = [rng(60 + r).uniform(-1, 1, (TOKENS[r], H)).astype(np.float32) for r in range(R)]
 
     def code(s, t, k):
         return np.float32(s * 1000 + t * 10 + k + 1)

@@ -12,6 +12,7 @@ import pytest
 
 import epx
 from epx import _lib
+from moe_ref import rng
 
 
 def _init_into(struct_cls, init_fn, guard=64):
@@ -94,9 +95,8 @@ def test_names_and_sizes():
 
 def test_bf16_conversion_matches_library():
     lib = _lib.load()
-    rng = np.random.default_rng(0)
     vals = np.concatenate([
-        rng.standard_normal(2000).astype(np.float32) * np.float32(1e3),
+        rng(0).standard_normal(2000).astype(np.float32) * np.float32(1e3),
         np.array([0.0, -0.0, 1.0, np.inf, -np.inf, np.nan, 3.4e38, 1e-40, 1.00390625, 1.01171875], np.float32),
     ]).astype(np.float32)
     bits = epx.float32_to_bf16_bits(vals)
@@ -114,7 +114,7 @@ def test_e4m3_tables():
     assert np.isnan(v[0x7F]) and np.isnan(v[0xFF]) and v[0x7E] == 448.0 and v[0x01] == 2.0 ** -9
     ml = pytest.importorskip("ml_dtypes")
     np.testing.assert_array_equal(v, codes.view(ml.float8_e4m3fn).astype(np.float32))
-    x = np.random.default_rng(1).standard_normal((3, 300)).astype(np.float32)
+    x = rng(1).standard_normal((3, 300)).astype(np.float32)
     q, s = epx.quantize_e4m3(x)
     assert q.shape == x.shape and s.shape == (3, 3)
     for i in range(3):
