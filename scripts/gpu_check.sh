@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
-#   scripts/gpu_check.sh [tests] [bench] [nvlink] [all]   (default all; nvlink needs 2+ GPUs)
+#   scripts/gpu_check.sh [tests] [bench] [nvlink] [nccl] [all]   (default all; nvlink and nccl
+#   need 2+ GPUs; nccl is the NCCL all-to-all baseline of the nvlink shapes)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -41,10 +42,16 @@ if want tests; then
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
   run test_cuda_match timeout 240 "$build/tests/gpu/test_cuda_match"
-  # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend
+  # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend; with
+  # several GPUs also every process on the first one (the driver time-slices their contexts)
   run test_cuda_mp timeout 240 "$build/tests/gpu/test_cuda_mp"
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    first=${CUDA_VISIBLE_DEVICES:-0}
+    run test_cuda_mp_one_gpu env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 240 "$build/tests/gpu/test_cuda_mp"
+  fi
   # the Python package on CUDA tensors (torch), against the CPU backend and dense references
   run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -m gpu tests/python
+  run example-prefill-decode env EPX_LIBRARY="$PWD/$build/libepx.so" PYTHONPATH=python timeout 120 python3 examples/prefill_decode.py
 fi
 
 if want bench; then
@@ -70,9 +77,12 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 if want nvlink && [ "$ngpu" -ge 2 ]; then
   b="$build/epx-bench --backend cuda --json --ranks $ngpu"
   run "nvlink-ds3-expert-ep$ngpu"  $b --tokens 4096 --iters 10 --layout expert --align 128 --check
+  run "nvlink-ds3-token-ep$ngpu"   $b --tokens 4096 --iters 10 --check
   run "nvlink-ds3-fp8-ep$ngpu"     $b --tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128
   run "nvlink-prefill32k-ep$ngpu"  $b --tokens 32768 --iters 5 --layout expert --align 128
   run "nvlink-ll128-ep$ngpu"       $b --tokens 128 --iters 50 --mode ll --graph --check
+fi
+if want nccl && [ "$ngpu" -ge 2 ]; then
   run "nccl-ds3-ep$ngpu"     python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 4096 --iters 10
   run "nccl-prefill32k-ep$ngpu" python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 32768 --iters 5
 fi

@@ -23,29 +23,44 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
          ((volatile epxc_state_t *)g->state[g->rank])->group_status != EPX_SUCCESS;
 }
 
-/* The slots of token t of `src` that land on rank `me`, sorted by local expert:
- * local[j], row[j], weight[j], slot[j] for j < return value. */
+/* The slots of token t of `src` that land on rank `me`, sorted by local expert (ties in slot
+ * order): local[j], row[j], weight[j], slot[j] for j < return value. Called by a whole warp.
+ * The source's routing is usually a peer's memory, across the link: lane k reads slot k, so
+ * the K slots cost one round trip (then one more for the expert bitmaps), not K. */
 static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
                                   int64_t t, int *local, int64_t *row, float *weight, int *slot) {
-  const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank;
+  const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank, lane = lane_id();
   const int64_t W = src->words;
-  int m = 0;
-  for (int k = 0; k < K; k++) {
-    int e = src->idx[t * K + k];
-    if (e < 0 || e / L != me) continue;
-    int l = e % L, j = m++;
-    for (; j > 0 && local[j - 1] > l; j--) {
-      local[j] = local[j - 1];
-      row[j] = row[j - 1];
-      weight[j] = weight[j - 1];
-      slot[j] = slot[j - 1];
+  int my_l = 0;
+  int64_t my_row = 0;
+  float my_w = 0.0f;
+  bool mine = false;
+  if (lane < K) {
+    const int e = src->idx[t * K + lane];
+    mine = e >= 0 && e / L == me;
+    if (mine) {
+      my_l = e % L;
+      my_w = src->weight[t * K + lane];
+      my_row = plan->pair_base[(int64_t)my_l * R + src_rank] +
+               bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
     }
-    local[j] = l;
-    row[j] = plan->pair_base[(int64_t)l * R + src_rank] + bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
-    weight[j] = src->weight[t * K + k];
-    slot[j] = k;
   }
-  return m;
+  const unsigned here = __ballot_sync(0xffffffffu, mine);
+  int pos = 0; /* this lane's place among the slots here */
+  for (unsigned rest = here; rest; rest &= rest - 1) {
+    const int k = __ffs(rest) - 1;
+    const int lk = __shfl_sync(0xffffffffu, my_l, k);
+    pos += lk < my_l || (lk == my_l && k < lane);
+  }
+  for (unsigned rest = here; rest; rest &= rest - 1) {
+    const int k = __ffs(rest) - 1;
+    const int p = __shfl_sync(0xffffffffu, pos, k);
+    local[p] = __shfl_sync(0xffffffffu, my_l, k);
+    row[p] = __shfl_sync(0xffffffffu, my_row, k);
+    weight[p] = __shfl_sync(0xffffffffu, my_w, k);
+    slot[p] = k;
+  }
+  return __popc(here);
 }
 
 /* Copies a row unchanged to m destinations (the common case: same type, no scaling). */

@@ -437,7 +437,7 @@ def test_cuda_autograd_matches_cpu(round_):
     """The whole layer's forward and backward on CUDA against the CPU backend. The backward
     passes of all ranks run on torch's one autograd thread for the GPU, so this also checks
     that epx's collectives never wait on the host for a peer. Repeated (EPX_TEST_REPEAT) with
-    fresh inputs each round: it once failed on one rank and one run only."""
+    fresh inputs each round."""
     P = Params(41 + 100 * round_)
 
     def make(device):
@@ -454,7 +454,10 @@ def test_cuda_autograd_matches_cpu(round_):
                 y = torch.cat(out_rows, 0)
                 out = et.combine(h, y, res.recv_probs)
                 (out * torch.tensor(P.G[r], device=device)).sum().backward()
-                torch.cuda.synchronize()
+                # this rank's stream only: a device-wide sync here, while torch's autograd thread may
+                # still be launching other ranks' backward collectives, stalled the group until the
+                # timeout (the README's rule for ranks sharing a GPU)
+                torch.cuda.current_stream().synchronize()
                 comm.synchronize()  # a collective that failed on the device raises here, not as wrong numbers
                 return [t.detach().cpu() for t in (out, x.grad, w.grad, scale.grad, shift.grad)]
         return rank
