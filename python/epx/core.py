@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import threading
 import time
 import weakref
@@ -932,13 +933,34 @@ class World(_Owned):
         return run_threads(ranks, fn, *args, **kwargs)
 
     def _on_own_stream(self, fn):
-        """Each rank thread gets its device and a stream of its own: ranks that shared torch's
-        default stream would queue behind each other's kernels, which wait on each other."""
+        """Each rank thread gets its device and a stream of its own (kept for the world's life):
+        ranks that shared torch's default stream would queue behind each other's kernels, which
+        wait on each other. Ranks that share a GPU also get torch's memory reserved first (see
+        _reserve_torch_memory), every rank's before any rank runs ``fn``."""
         import torch
+
+        streams = self.__dict__.setdefault("_torch_streams", {})
+        ranks = list(self._ranks)
+        for r in ranks:
+            if r not in streams:
+                streams[r] = torch.cuda.Stream(torch.device("cuda", self.device_of(r)))
+        reserved = self.__dict__.setdefault("_torch_reserved", set())
+        shared = [r for r in ranks if self.shares_device(r) and r not in reserved]
+        ready = threading.Barrier(len(ranks)) if shared and len(ranks) > 1 else None
 
         def body(rank, *args, **kwargs):
             dev = torch.device("cuda", self.device_of(rank))
-            with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+            with torch.cuda.device(dev), torch.cuda.stream(streams[rank]):
+                if rank in shared:
+                    try:
+                        _reserve_torch_memory(dev, streams[rank])
+                    except BaseException:
+                        if ready is not None:
+                            ready.abort()  # the other ranks stop waiting for this one
+                        raise
+                    reserved.add(rank)
+                if ready is not None:
+                    ready.wait()
                 return fn(rank, *args, **kwargs)
         return body
 
@@ -958,6 +980,25 @@ class World(_Owned):
     def __repr__(self):
         state = "closed" if self._ptr is None else f"{self.backend}, {self._nranks} ranks, driving {self._ranks}"
         return f"<epx.World {state}>"
+
+
+def _reserve_torch_memory(dev, stream) -> None:
+    """Fills torch's caching allocator for this rank's stream before its first collective.
+    CUDA serialises streams around a device memory allocation (cudaMalloc is one of the
+    "implicit synchronization" operations of the CUDA programming guide): work issued after it
+    does not start until work issued before it finishes. When ranks share a GPU, a peer's
+    kernel issued before it may be waiting for this rank's, issued after: the group stalls
+    until the timeout. torch calls cudaMalloc whenever its cache for a stream runs short, so
+    each rank's cache is filled here, once, while no rank is inside a collective. Size:
+    EPX_TORCH_RESERVE_MB (default 128) in large blocks and a sixteenth of it in small ones."""
+    import torch
+
+    mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
+    if mb > 0:
+        big = torch.empty(mb << 20, dtype=torch.uint8, device=dev)
+        small = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(max(mb // 16, 1))]
+        del big, small
+    stream.synchronize()
 
 
 def run_threads(ranks: Sequence[int], fn: Callable[..., Any], *args, **kwargs) -> List[Any]:

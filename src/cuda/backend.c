@@ -3,8 +3,9 @@
  *
  * Every operation is enqueued on the comm's stream and returns without waiting, except where
  * the caller asked for exact sizes (the handle's `exact`): then notify waits for the counts.
- * Allocations after set-up are stream-ordered (cudaMallocAsync), so growing a buffer never
- * synchronises the device while a peer's kernel waits on this rank.
+ * Allocations after set-up are stream-ordered, from the world's own pools (make_pools), so
+ * growing a buffer never synchronises the device nor waits on another stream while a peer's
+ * kernel waits on this rank.
  *
  * Across processes (one rank per process, epx_world_create_rank*), a peer can only reach
  * memory it mapped, once, at comm init: so each rank makes one arena (cudaMalloc, exported
@@ -28,10 +29,14 @@ typedef struct {
   epxc_error_t *errors_host; /* [R], host-mapped */
   epxc_error_t *errors_dev;
   bool shared;               /* across processes: errors_host is the group's shared page, registered */
+  int num_devices;
+  cudaMemPool_t *pools;      /* [num_devices]: epx's stream-ordered memory on the devices of this
+                                process's ranks (see make_pools), NULL elsewhere */
 } cuda_world_t;
 
 typedef struct {
   int device;
+  cudaMemPool_t pool;       /* the world's pool of this device */
   cudaStream_t own_stream;
   cudaStream_t last_stream; /* where the previous operation went */
   cudaEvent_t order;        /* orders an operation after the previous one when the stream changes */
@@ -155,6 +160,54 @@ static cudaStream_t op_stream(const epx_comm_t *c) {
  * through IPC (comm init), and the error words through the group's shared page. */
 static bool cross_process(const epx_world_t *w) { return w->num_local < w->nranks; }
 
+static void free_pools(cuda_world_t *cw) {
+  for (int d = 0; cw->pools && d < cw->num_devices; d++)
+    if (cw->pools[d]) cudaMemPoolDestroy(cw->pools[d]); /* released once its last block is freed */
+  free(cw->pools);
+  cw->pools = NULL;
+}
+
+static void world_free(cuda_world_t *cw) {
+  free_pools(cw);
+  free(cw);
+}
+
+/* epx's stream-ordered memory (plans, partials, staging) comes from pools of its own, one per
+ * device of this process's ranks, rather than the device's default pool, which may let an
+ * allocation on one stream reuse a block freed on another by making the first stream wait for
+ * the second (cudaMemPoolReuseAllowInternalDependencies). Between ranks whose kernels wait on
+ * each other such a wait is a deadlock: the pools here never add one. They keep what they
+ * hold until the world goes (no trimming at every synchronisation), and ranks of this process
+ * on other devices may read them (peers read plans and partials). */
+static epx_status_t make_pools(const epx_world_t *w, cuda_world_t *cw, int count) {
+  cw->num_devices = count;
+  cw->pools = calloc((size_t)count, sizeof *cw->pools);
+  if (!cw->pools) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world pools");
+  const int lo = w->first_rank, hi = w->first_rank + w->num_local;
+  for (int r = lo; r < hi; r++) {
+    const int d = w->devices[r];
+    if (cw->pools[d]) continue;
+    struct cudaMemPoolProps props = {.allocType = cudaMemAllocationTypePinned,
+                                     .location = {.type = cudaMemLocationTypeDevice, .id = d}};
+    CUDA_TRY(cudaMemPoolCreate(&cw->pools[d], &props), "cudaMemPoolCreate");
+    int no = 0;
+    uint64_t keep = UINT64_MAX;
+    CUDA_TRY(cudaMemPoolSetAttribute(cw->pools[d], cudaMemPoolReuseAllowInternalDependencies, &no),
+             "cudaMemPoolSetAttribute (internal dependencies)");
+    CUDA_TRY(cudaMemPoolSetAttribute(cw->pools[d], cudaMemPoolAttrReleaseThreshold, &keep),
+             "cudaMemPoolSetAttribute (release threshold)");
+  }
+  for (int a = lo; a < hi; a++)
+    for (int b = lo; b < hi; b++) {
+      const int da = w->devices[a], db = w->devices[b];
+      if (da == db) continue;
+      struct cudaMemAccessDesc access = {.location = {.type = cudaMemLocationTypeDevice, .id = da},
+                                         .flags = cudaMemAccessFlagsProtReadWrite};
+      CUDA_TRY(cudaMemPoolSetAccess(cw->pools[db], &access, 1), "cudaMemPoolSetAccess");
+    }
+  return EPX_SUCCESS;
+}
+
 static epx_status_t cuda_world_create(epx_world_t *w) {
   int count = 0;
   CUDA_TRY(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
@@ -176,16 +229,15 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
       cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return cuda_fail(e, "cudaDeviceEnablePeerAccess");
       cudaGetLastError();
-      /* plans live in stream-ordered memory: peers read it too */
-      cudaMemPool_t pool;
-      CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, db), "cudaDeviceGetDefaultMemPool");
-      struct cudaMemAccessDesc access = {.location = {.type = cudaMemLocationTypeDevice, .id = da},
-                                         .flags = cudaMemAccessFlagsProtReadWrite};
-      CUDA_TRY(cudaMemPoolSetAccess(pool, &access, 1), "cudaMemPoolSetAccess");
     }
   CUDA_TRY(cudaSetDevice(w->devices[lo]), "cudaSetDevice");
   cuda_world_t *cw = calloc(1, sizeof *cw);
   if (!cw) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world");
+  epx_status_t ps = make_pools(w, cw, count);
+  if (ps != EPX_SUCCESS) {
+    world_free(cw);
+    return ps;
+  }
   const size_t need = sizeof(epxc_error_t) * w->nranks;
   cudaError_t e;
   if (cross_process(w)) {
@@ -195,21 +247,21 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
     cw->errors_host = epxi_group_common(w->group, &bytes);
     if (!cw->errors_host || bytes < need) {
       const bool mapped = cw->errors_host != NULL;
-      free(cw);
+      world_free(cw);
       if (!mapped) return EPX_ERR_SYSTEM; /* the group said why */
       return epxi_fail(EPX_ERR_INTERNAL, "the group's common page holds %zu bytes, the error words need %zu", bytes,
                        need);
     }
     e = cudaHostRegister(cw->errors_host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
     if (e != cudaSuccess) {
-      free(cw);
+      world_free(cw);
       return cuda_fail(e, "cudaHostRegister (the group's error words)");
     }
     cw->shared = true;
   } else {
     e = cudaHostAlloc((void **)&cw->errors_host, need, cudaHostAllocMapped | cudaHostAllocPortable);
     if (e != cudaSuccess) {
-      free(cw);
+      world_free(cw);
       return cuda_fail(e, "cudaHostAlloc (error words)");
     }
     memset(cw->errors_host, 0, need);
@@ -220,7 +272,7 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
       cudaHostUnregister(cw->errors_host);
     else
       cudaFreeHost(cw->errors_host);
-    free(cw);
+    world_free(cw);
     return cuda_fail(e, "cudaHostGetDevicePointer");
   }
   w->impl = cw;
@@ -234,7 +286,7 @@ static void cuda_world_destroy(epx_world_t *w) {
     cudaHostUnregister(cw->errors_host); /* the page itself goes with the group */
   else
     cudaFreeHost(cw->errors_host);
-  free(cw);
+  world_free(cw);
 }
 
 /* ---- across processes: the arena ------------------------------------------------------------ */
@@ -270,7 +322,7 @@ static bool in_arena(const cuda_comm_t *cc, const void *p) {
 static epx_status_t dev_alloc(cuda_comm_t *cc, bool peers, void **p, size_t bytes, cudaStream_t st, const char *what) {
   *p = NULL;
   if (!peers || !cc->arena) {
-    CUDA_TRY(cudaMallocAsync(p, bytes ? bytes : 16, st), what);
+    CUDA_TRY(cudaMallocFromPoolAsync(p, bytes ? bytes : 16, cc->pool, st), what);
     return EPX_SUCCESS;
   }
   const size_t off = epxi_suballoc_alloc(&cc->heap, bytes);
@@ -489,6 +541,7 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;
+  cc->pool = cw->pools[dev];
   /* one stream per rank: each stream made takes a hardware queue (see epxi_cuda_available) */
   cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&cc->order, cudaEventDisableTiming);
@@ -510,7 +563,7 @@ static epx_status_t cuda_comm_init(epx_comm_t *c) {
   } else {
     /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
      * kernels waiting that a device-wide sync would stall. */
-    e = cudaMallocAsync((void **)&cc->state, sizeof(epxc_state_t), cc->own_stream);
+    e = cudaMallocFromPoolAsync((void **)&cc->state, sizeof(epxc_state_t), cc->pool, cc->own_stream);
     if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
     if (e != cudaSuccess) {
