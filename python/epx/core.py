@@ -935,8 +935,8 @@ class World(_Owned):
     def _on_own_stream(self, fn):
         """Each rank thread gets its device and a stream of its own (kept for the world's life):
         ranks that shared torch's default stream would queue behind each other's kernels, which
-        wait on each other. Ranks that share a GPU also get torch's memory reserved first (see
-        _reserve_torch_memory), every rank's before any rank runs ``fn``."""
+        wait on each other. Where ranks share a GPU, torch's first-use work is done first (see
+        _prepare_torch), every rank's before any rank runs ``fn``."""
         import torch
 
         streams = self.__dict__.setdefault("_torch_streams", {})
@@ -953,7 +953,7 @@ class World(_Owned):
             with torch.cuda.device(dev), torch.cuda.stream(streams[rank]):
                 if rank in shared:
                     try:
-                        _reserve_torch_memory(dev, streams[rank])
+                        _prepare_torch(dev, streams[rank])
                     except BaseException:
                         if ready is not None:
                             ready.abort()  # the other ranks stop waiting for this one
@@ -982,15 +982,20 @@ class World(_Owned):
         return f"<epx.World {state}>"
 
 
-def _reserve_torch_memory(dev, stream) -> None:
-    """Fills torch's caching allocator for this rank's stream before its first collective.
+def _prepare_torch(dev, stream) -> None:
+    """Does torch's first-use work for this rank before its first collective, while no rank is
+    inside one: fills torch's caching allocator for the rank's stream, and runs one backward
+    pass there.
     CUDA serialises streams around a device memory allocation (cudaMalloc is one of the
     "implicit synchronization" operations of the CUDA programming guide): work issued after it
     does not start until work issued before it finishes. When ranks share a GPU, a peer's
     kernel issued before it may be waiting for this rank's, issued after: the group stalls
     until the timeout. torch calls cudaMalloc whenever its cache for a stream runs short, so
     each rank's cache is filled here, once, while no rank is inside a collective. Size:
-    EPX_TORCH_RESERVE_MB (default 128) in large blocks and a sixteenth of it in small ones."""
+    EPX_TORCH_RESERVE_MB (default 128) in large blocks and a sixteenth of it in small ones.
+    The backward pass starts torch's autograd thread for the GPU: a model's first backward,
+    run while peers were inside a collective, stalled the group until the timeout on an H200
+    (the step inside torch that does it was not isolated; done here, it is out of the way)."""
     import torch
 
     mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
@@ -998,6 +1003,8 @@ def _reserve_torch_memory(dev, stream) -> None:
         big = torch.empty(mb << 20, dtype=torch.uint8, device=dev)
         small = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(max(mb // 16, 1))]
         del big, small
+    w = torch.ones(8, device=dev, requires_grad=True)
+    (w * 2).sum().backward()
     stream.synchronize()
 
 
