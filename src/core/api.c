@@ -47,11 +47,11 @@ void epx_world_config_init(epx_world_config_t *wc) {
   wc->nranks = 1;
 }
 
-epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world) {
-  epxi_clear_error();
-  if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create: config and world are required");
-  if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
-    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", wc->nranks, EPX_MAX_RANKS);
+/* A world of `num_local` ranks from `first_rank` on: the backend resolved, the group made
+ * (in this process; or, given a bootstrap exchange, this rank's part of a group across
+ * processes), then the backend's part. */
+static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int num_local, epxi_exchange_fn exchange,
+                               void *ctx, epx_world_t **world) {
   epx_backend_t backend = wc->backend;
   if (backend == EPX_BACKEND_AUTO)
     backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
@@ -63,19 +63,29 @@ epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world)
   if (!w) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "world");
   w->backend = backend;
   w->nranks = wc->nranks;
-  w->first_rank = 0;
-  w->num_local = wc->nranks;
+  w->first_rank = first_rank;
+  w->num_local = num_local;
   w->ops = ops;
   for (int r = 0; r < w->nranks; r++) w->devices[r] = wc->devices ? wc->devices[r] : -1;
-  epx_status_t s = epxi_group_create(w->nranks, &w->group);
+  epx_status_t s = exchange ? epxi_shm_group_create(w->nranks, first_rank, (int)backend, exchange, ctx,
+                                                    epxi_env()->timeout_ms, &w->group)
+                            : epxi_group_create(w->nranks, &w->group);
   if (s == EPX_SUCCESS && ops->world_create) s = ops->world_create(w);
   if (s != EPX_SUCCESS) {
-    epxi_group_destroy(w->group);
+    if (w->group) epxi_group_destroy(w->group);
     free(w);
     return s;
   }
   *world = w;
   return EPX_SUCCESS;
+}
+
+epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world) {
+  epxi_clear_error();
+  if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create: config and world are required");
+  if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", wc->nranks, EPX_MAX_RANKS);
+  return world_make(wc, 0, wc->nranks, NULL, NULL, world);
 }
 
 epx_status_t epx_world_destroy(epx_world_t *world) {
@@ -103,34 +113,6 @@ static epx_status_t user_exchange(const void *mine, void *all, size_t bytes, voi
   return EPX_SUCCESS;
 }
 
-static epx_status_t world_create_rank(const epx_world_config_t *wc, int rank, epxi_exchange_fn exchange, void *ctx,
-                                      epx_world_t **world) {
-  epx_backend_t backend = wc->backend;
-  if (backend == EPX_BACKEND_AUTO)
-    backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
-  EPX_CHECK(epx_backend_available(backend));
-  const epxi_backend_t *ops = backend_ops(backend);
-  if (!ops) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
-  epx_world_t *w = calloc(1, sizeof *w);
-  if (!w) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "world");
-  w->backend = backend;
-  w->nranks = wc->nranks;
-  w->first_rank = rank;
-  w->num_local = 1;
-  w->ops = ops;
-  for (int r = 0; r < w->nranks; r++) w->devices[r] = wc->devices ? wc->devices[r] : -1;
-  epx_status_t s =
-      epxi_shm_group_create(w->nranks, rank, (int)backend, exchange, ctx, epxi_env()->timeout_ms, &w->group);
-  if (s == EPX_SUCCESS && ops->world_create) s = ops->world_create(w);
-  if (s != EPX_SUCCESS) {
-    if (w->group) epxi_group_destroy(w->group);
-    free(w);
-    return s;
-  }
-  *world = w;
-  return EPX_SUCCESS;
-}
-
 static epx_status_t check_rank_args(const epx_world_config_t *wc, int rank, epx_world_t **world, const char *fn) {
   if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: config and world are required", fn);
   *world = NULL;
@@ -148,7 +130,7 @@ epx_status_t epx_world_create_rank(const epx_world_config_t *wc, const epx_uniqu
   if (!id) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create_rank: id is required");
   epxi_bootstrap_t *conn;
   EPX_CHECK(epxi_bootstrap_connect(id, rank, wc->nranks, epxi_env()->timeout_ms, &conn));
-  epx_status_t s = world_create_rank(wc, rank, epxi_bootstrap_exchange, conn, world);
+  epx_status_t s = world_make(wc, rank, 1, epxi_bootstrap_exchange, conn, world);
   epxi_bootstrap_close(conn);
   return s;
 }
@@ -159,7 +141,7 @@ epx_status_t epx_world_create_rank_with(const epx_world_config_t *wc, int rank, 
   EPX_CHECK(check_rank_args(wc, rank, world, "epx_world_create_rank_with"));
   if (!allgather) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create_rank_with: allgather is required");
   user_exchange_t u = {.fn = allgather, .ctx = ctx, .rank = rank};
-  return world_create_rank(wc, rank, user_exchange, &u, world);
+  return world_make(wc, rank, 1, user_exchange, &u, world);
 }
 
 int epx_world_nranks(const epx_world_t *world) { return world ? world->nranks : 0; }
