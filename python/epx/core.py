@@ -442,7 +442,20 @@ _NUMPY_CODES = [(np.float32, (DType.FLOAT32,)), (np.uint16, (DType.BFLOAT16,)), 
                 (np.int32, (DType.INT32,)), (np.int64, (DType.INT64,))]
 
 
-class _NumpyFrontend:
+class _Frontend:
+    """How the package handles one kind of array (numpy here, torch in epx.torch): what both
+    kinds do alike."""
+
+    @staticmethod
+    def reshape(a, shape):
+        return a.reshape(shape)
+
+    @staticmethod
+    def slice_rows(a, n):
+        return a[:n]
+
+
+class _NumpyFrontend(_Frontend):
     name = "numpy"
 
     @staticmethod
@@ -513,14 +526,6 @@ class _NumpyFrontend:
     def alloc(cls, shape, code: DType, like=None, device=None, zero=True):
         dt = cls.concrete(code, like)
         return np.zeros(shape, dt) if zero else np.empty(shape, dt)
-
-    @staticmethod
-    def reshape(a, shape):
-        return a.reshape(shape)
-
-    @staticmethod
-    def slice_rows(a, n):
-        return a[:n]
 
     @staticmethod
     def on_stream(comm, device: str):
@@ -995,7 +1000,9 @@ def _prepare_torch(dev, stream) -> None:
     EPX_TORCH_RESERVE_MB (default 128) in large blocks and a sixteenth of it in small ones.
     The backward pass starts torch's autograd thread for the GPU: a model's first backward,
     run while peers were inside a collective, stalled the group until the timeout on an H200
-    (the step inside torch that does it was not isolated; done here, it is out of the way)."""
+    (the step inside torch that does it was not isolated; done here, it is out of the way).
+    A copy each way between pageable host memory and the GPU makes the driver set up its
+    pinned staging memory now: a page-locked allocation is an implicit synchronization too."""
     import torch
 
     mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
@@ -1005,6 +1012,7 @@ def _prepare_torch(dev, stream) -> None:
         del big, small
     w = torch.ones(8, device=dev, requires_grad=True)
     (w * 2).sum().backward()
+    torch.ones(1 << 20, dtype=torch.uint8).to(dev).cpu()
     stream.synchronize()
 
 

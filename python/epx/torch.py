@@ -47,6 +47,7 @@ from .core import (
     TopkRangeError,
     UnsupportedError,
     World,
+    _Frontend,
     _arg_error,
     _dtype_codes,
     _dtype_error,
@@ -79,7 +80,7 @@ if _FP8 is not None:
     _TORCH_OF[DType.FP8_E4M3] = _FP8
 
 
-class _TorchFrontend:
+class _TorchFrontend(_Frontend):
     name = "torch"
 
     @staticmethod
@@ -144,14 +145,6 @@ class _TorchFrontend:
             _dtype_error(f"this torch has no dtype for {code.name.lower()}")
         dev = torch.device(device or "cpu")
         return torch.zeros(shape, dtype=dt, device=dev) if zero else torch.empty(shape, dtype=dt, device=dev)
-
-    @staticmethod
-    def reshape(a, shape):
-        return a.reshape(shape)
-
-    @staticmethod
-    def slice_rows(a, n):
-        return a[:n]
 
     @staticmethod
     @contextlib.contextmanager
