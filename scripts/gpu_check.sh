@@ -24,6 +24,13 @@ if [ ! -x "$build/epx-bench" ]; then
     || { tail -30 "$out/build.log"; exit 1; }
 fi
 
+# GPUs this run may use: CUDA_VISIBLE_DEVICES's entries, else nvidia-smi's (MIG lines not counted)
+gpus() {
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .
+  else nvidia-smi -L 2>/dev/null | grep -c '^GPU '; fi
+}
+ngpu=$(gpus)
+
 summary=()
 run() { # name, command...
   local name=$1; shift
@@ -45,7 +52,7 @@ if want tests; then
   # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend; with
   # several GPUs also every process on the first one (the driver time-slices their contexts)
   run test_cuda_mp timeout 240 "$build/tests/gpu/test_cuda_mp"
-  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  if [ "$ngpu" -ge 2 ]; then
     first=${CUDA_VISIBLE_DEVICES:-0}
     run test_cuda_mp_one_gpu env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 240 "$build/tests/gpu/test_cuda_mp"
   fi
@@ -73,7 +80,6 @@ fi
 
 # Several GPUs (issue 7): one rank per GPU through NVLink, and the NCCL all-to-all baseline of
 # the same shape (one process per GPU).
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 if want nvlink && [ "$ngpu" -ge 2 ]; then
   b="$build/epx-bench --backend cuda --json --ranks $ngpu"
   run "nvlink-ds3-expert-ep$ngpu"  $b --tokens 4096 --iters 10 --layout expert --align 128 --check

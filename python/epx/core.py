@@ -953,19 +953,26 @@ class World(_Owned):
         shared = [r for r in ranks if self.shares_device(r) and r not in reserved]
         ready = threading.Barrier(len(ranks)) if shared and len(ranks) > 1 else None
 
+        try:  # the bound of every wait, as libepx reads it
+            wait_s = int(os.environ.get("EPX_TIMEOUT_MS") or 30000) / 1000.0
+        except ValueError:
+            wait_s = 30.0
+
         def body(rank, *args, **kwargs):
             dev = torch.device("cuda", self.device_of(rank))
             with torch.cuda.device(dev), torch.cuda.stream(streams[rank]):
-                if rank in shared:
-                    try:
+                try:
+                    if rank in shared:
                         _prepare_torch(dev, streams[rank])
-                    except BaseException:
-                        if ready is not None:
-                            ready.abort()  # the other ranks stop waiting for this one
-                        raise
-                    reserved.add(rank)
-                if ready is not None:
-                    ready.wait()
+                        reserved.add(rank)
+                    if ready is not None:
+                        ready.wait(wait_s)
+                except threading.BrokenBarrierError:
+                    raise
+                except BaseException:
+                    if ready is not None:
+                        ready.abort()  # the other ranks stop waiting for this one
+                    raise
                 return fn(rank, *args, **kwargs)
         return body
 
@@ -997,7 +1004,7 @@ def _prepare_torch(dev, stream) -> None:
     kernel issued before it may be waiting for this rank's, issued after: the group stalls
     until the timeout. torch calls cudaMalloc whenever its cache for a stream runs short, so
     each rank's cache is filled here, once, while no rank is inside a collective. Size:
-    EPX_TORCH_RESERVE_MB (default 128) in large blocks and a sixteenth of it in small ones.
+    EPX_TORCH_RESERVE_MB (default 128) in one large block and a sixteenth of it in small ones.
     The backward pass starts torch's autograd thread for the GPU: a model's first backward,
     run while peers were inside a collective, stalled the group until the timeout on an H200
     (the step inside torch that does it was not isolated; done here, it is out of the way).
@@ -1007,8 +1014,12 @@ def _prepare_torch(dev, stream) -> None:
 
     mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
     if mb > 0:
-        big = torch.empty(mb << 20, dtype=torch.uint8, device=dev)
-        small = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(max(mb // 16, 1))]
+        try:
+            big = torch.empty(mb << 20, dtype=torch.uint8, device=dev)
+            small = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(max(mb // 16, 1))]
+        except torch.cuda.OutOfMemoryError as e:
+            _raise(Status.OUT_OF_MEMORY, f"reserving torch memory for a rank that shares {dev} ({mb} MiB, "
+                                         f"EPX_TORCH_RESERVE_MB; 0 reserves none): {e}")
         del big, small
     w = torch.ones(8, device=dev, requires_grad=True)
     (w * 2).sum().backward()
@@ -1035,7 +1046,8 @@ def run_threads(ranks: Sequence[int], fn: Callable[..., Any], *args, **kwargs) -
     for t in threads:
         t.join()
     if errors:
-        errors.sort(key=lambda e: e[0])
+        # a rank that stopped waiting for a failed one is not the cause: it goes last
+        errors.sort(key=lambda e: (isinstance(e[2], threading.BrokenBarrierError), e[0]))
         _, r, first = errors[0]
         try:
             first.rank = r

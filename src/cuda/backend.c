@@ -176,9 +176,10 @@ static void world_free(cuda_world_t *cw) {
  * device of this process's ranks, rather than the device's default pool, which may let an
  * allocation on one stream reuse a block freed on another by making the first stream wait for
  * the second (cudaMemPoolReuseAllowInternalDependencies). Between ranks whose kernels wait on
- * each other such a wait is a deadlock: the pools here never add one. They keep what they
- * hold until the world goes (no trimming at every synchronisation), and ranks of this process
- * on other devices may read them (peers read plans and partials). */
+ * each other such a wait is a deadlock: the pools here never add one. Like the default pool
+ * they give freed memory back at synchronisations (release threshold 0), so what a broken
+ * comm keeps (its state) holds only its own block; ranks of this process on other devices
+ * may read them (peers read plans and partials). */
 static epx_status_t make_pools(const epx_world_t *w, cuda_world_t *cw, int count) {
   cw->num_devices = count;
   cw->pools = calloc((size_t)count, sizeof *cw->pools);
@@ -191,11 +192,8 @@ static epx_status_t make_pools(const epx_world_t *w, cuda_world_t *cw, int count
                                      .location = {.type = cudaMemLocationTypeDevice, .id = d}};
     CUDA_TRY(cudaMemPoolCreate(&cw->pools[d], &props), "cudaMemPoolCreate");
     int no = 0;
-    uint64_t keep = UINT64_MAX;
     CUDA_TRY(cudaMemPoolSetAttribute(cw->pools[d], cudaMemPoolReuseAllowInternalDependencies, &no),
              "cudaMemPoolSetAttribute (internal dependencies)");
-    CUDA_TRY(cudaMemPoolSetAttribute(cw->pools[d], cudaMemPoolAttrReleaseThreshold, &keep),
-             "cudaMemPoolSetAttribute (release threshold)");
   }
   for (int a = lo; a < hi; a++)
     for (int b = lo; b < hi; b++) {

@@ -1,4 +1,4 @@
-/* Row movers and checks shared by the dispatch/combine kernel families (ht.cu, a2a.cu). */
+/* Row movers and checks shared by the dispatch/combine kernel families (ht.cu, a2a.cu, ll.cu). */
 #ifndef EPX_CUDA_ROWS_CUH
 #define EPX_CUDA_ROWS_CUH
 
@@ -27,6 +27,7 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
  * order): local[j], row[j], weight[j], slot[j] for j < return value. Called by a whole warp.
  * The source's routing is usually a peer's memory, across the link: lane k reads slot k, so
  * the K slots cost one round trip (then one more for the expert bitmaps), not K. */
+static_assert(EPX_MAX_TOPK <= 32, "local_slots gives each routing slot a lane of its own");
 static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
                                   int64_t t, int *local, int64_t *row, float *weight, int *slot) {
   const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank, lane = lane_id();

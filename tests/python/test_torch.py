@@ -213,7 +213,8 @@ def flex_train_then_decode(apply_in_combine, device):
     """One model trains a step (high-throughput, with backward) then decodes (low-latency)
     through the same dispatcher; both against the dense float64 layer."""
     P = Params(35)
-    logits = [rng(35).standard_normal((T, E)).astype(np.float32) for T in TOKENS]
+    g = rng(3035)
+    logits = [g.standard_normal((T, E)).astype(np.float32) for T in TOKENS]
 
     def route(lg):
         """Megatron-style router: softmax, top-k mask -> routing_map [T, E] and probs [T, E]."""
