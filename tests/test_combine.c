@@ -15,31 +15,17 @@ static void run_and_compare(const char *what, tu_world_t *w, epx_handle_t **h, c
                             const float *const *dense_w, void **keep_out) {
   tu_pipe_res_t res;
   const int R = m->R;
-  int rc = tu_pipe_run(w, h, m, p, &res);
-  for (int r = 0; r < R; r++) {
-    CHECK_STATUS(res.dispatch_st[r], EPX_SUCCESS, "%s rank %d dispatch", what, r);
-    if (rc == 0) CHECK_STATUS(res.combine_st[r], EPX_SUCCESS, "%s rank %d combine", what, r);
-  }
-  if (rc == 0) {
-    void *want[TU_MAX_RANKS];
-    tu_dense(m, p->recv_dtype, p->y_dtype, p->out_dtype, p->layout == EPX_LAYOUT_EXPERT || p->algo == EPX_ALGO_LL,
-             dense_w, want);
+  if (tu_pipe_check(what, w, h, m, p, dense_w, &res) == 0 && keep_out)
     for (int r = 0; r < R; r++) {
-      char ww[640];
-      snprintf(ww, sizeof ww, "%s rank %d out vs dense_moe", what, r);
-      tu_check_bits(ww, p->out_dtype, res.out[r], want[r], m->T[r] * m->H, m->H);
-      if (keep_out) {
-        if (keep_out[r]) {
-          snprintf(ww, sizeof ww, "%s rank %d out vs the previous run (determinism)", what, r);
-          tu_check_bits(ww, p->out_dtype, res.out[r], keep_out[r], m->T[r] * m->H, m->H);
-        } else {
-          keep_out[r] = res.out[r];
-          res.out[r] = NULL;
-        }
+      if (keep_out[r]) {
+        char ww[640];
+        snprintf(ww, sizeof ww, "%s rank %d out vs the previous run (determinism)", what, r);
+        tu_check_bits(ww, p->out_dtype, res.out[r], keep_out[r], m->T[r] * m->H, m->H);
+      } else {
+        keep_out[r] = res.out[r];
+        res.out[r] = NULL;
       }
     }
-    tu_free_all(want, R);
-  }
   tu_pipe_free(&res, R);
 }
 

@@ -154,13 +154,7 @@ static void run_case(const case_t *c) {
       /* Twice on the same handles: a re-plan with the same routing gives the same rows. */
       for (int rep = 0; rep < 2; rep++) {
         tu_pipe_res_t res;
-        int rc = tu_pipe_run(&w, h, &m, &p, &res);
-        for (int r = 0; r < R; r++) {
-          if (p.notify_first)
-            CHECK_STATUS(res.notify_st[r], EPX_SUCCESS, "%s rank %d epx_notify", what, r);
-          CHECK_STATUS(res.dispatch_st[r], EPX_SUCCESS, "%s rank %d epx_dispatch", what, r);
-        }
-        if (rc == 0)
+        if (tu_pipe_check(what, &w, h, &m, &p, NULL, &res) == 0)
           for (int r = 0; r < R; r++) check_rank(what, c, &m, &res, r);
         tu_pipe_free(&res, R);
         p.notify_first = !p.notify_first;

@@ -65,22 +65,8 @@ static void run(const char *what, tu_world_t *w, epx_handle_t **h, const tu_pipe
   tu_moe_t m;
   tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, 1);
   tu_pipe_res_t res;
-  int rc = tu_pipe_run(w, h, &m, p, &res);
-  for (int r = 0; r < R; r++) {
-    CHECK_STATUS(res.dispatch_st[r], EPX_SUCCESS, "%s rank %d dispatch (%s)", what, r, res.err[r]);
-    if (rc == 0) CHECK_STATUS(res.combine_st[r], EPX_SUCCESS, "%s rank %d combine (%s)", what, r, res.err[r]);
-  }
-  if (rc == 0) {
-    void *want[TU_MAX_RANKS];
-    tu_dense(&m, p->recv_dtype, p->y_dtype, p->out_dtype, 1, (const float *const *)m.w, want);
-    for (int r = 0; r < R; r++) {
-      check_recv(what, &m, p, &res, r);
-      char w2[640];
-      snprintf(w2, sizeof w2, "%s rank %d combine vs dense_moe (expert layout)", what, r);
-      tu_check_bits(w2, p->out_dtype, res.out[r], want[r], m.T[r] * H, H);
-    }
-    tu_free_all(want, R);
-  }
+  if (tu_pipe_check(what, w, h, &m, p, NULL, &res) == 0)
+    for (int r = 0; r < R; r++) check_recv(what, &m, p, &res, r);
   tu_pipe_free(&res, R);
   tu_moe_free(&m);
 }

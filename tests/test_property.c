@@ -14,27 +14,16 @@ static epx_dtype_t pick_float(void) { return tu_int(&tu_rng, 0, 1) ? EPX_BFLOAT1
 static void run_layout(const char *what, tu_world_t *w, epx_handle_t **h, const tu_moe_t *m, const tu_pipe_t *p) {
   tu_pipe_res_t res;
   const int R = m->R;
-  int rc = tu_pipe_run(w, h, m, p, &res);
-  for (int r = 0; r < R; r++) {
-    CHECK_STATUS(res.dispatch_st[r], EPX_SUCCESS, "%s rank %d dispatch", what, r);
-    if (rc == 0) CHECK_STATUS(res.combine_st[r], EPX_SUCCESS, "%s rank %d combine", what, r);
-  }
-  if (rc == 0) {
-    void *want[TU_MAX_RANKS];
-    tu_dense(m, p->recv_dtype, p->y_dtype, p->out_dtype, p->layout == EPX_LAYOUT_EXPERT, (const float *const *)m->w, want);
-    for (int r = 0; r < R; r++) {
-      char ww[640];
-      snprintf(ww, sizeof ww, "%s rank %d", what, r);
-      tu_check_bits(ww, p->out_dtype, res.out[r], want[r], m->T[r] * m->H, m->H);
-      /* The plan's sizes agree with the routing. */
+  if (tu_pipe_check(what, w, h, m, p, NULL, &res) == 0)
+    for (int r = 0; r < R; r++) { /* the plan's sizes agree with the routing */
       const tu_expect_t *ex = &res.ex[r];
       const int64_t want_rows = p->layout == EPX_LAYOUT_EXPERT ? ex->nrows : ex->ntok;
       CHECK(res.nrows[r] == want_rows, "%s rank %d: num_recv_rows %lld want %lld", what, r, (long long)res.nrows[r],
             (long long)want_rows);
+      char ww[640];
+      snprintf(ww, sizeof ww, "%s rank %d tokens per local expert", what, r);
       tu_check_bits(ww, EPX_INT32, res.cnt[r], ex->cnt, m->L, m->L);
     }
-    tu_free_all(want, R);
-  }
   tu_pipe_free(&res, R);
 }
 

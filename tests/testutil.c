@@ -703,6 +703,30 @@ int tu_pipe_run(tu_world_t *w, epx_handle_t *const *h, const tu_moe_t *m, const 
   return s == EPX_SUCCESS && !atomic_load(&c.failed) ? 0 : -1;
 }
 
+int tu_pipe_check(const char *what, tu_world_t *w, epx_handle_t *const *h, const tu_moe_t *m, const tu_pipe_t *p,
+                  const float *const *dense_w, tu_pipe_res_t *res) {
+  const int R = m->R;
+  const int rc = tu_pipe_run(w, h, m, p, res);
+  for (int r = 0; r < R; r++) {
+    if (p->notify_first) CHECK_STATUS(res->notify_st[r], EPX_SUCCESS, "%s rank %d notify (%s)", what, r, res->err[r]);
+    CHECK_STATUS(res->dispatch_st[r], EPX_SUCCESS, "%s rank %d dispatch (%s)", what, r, res->err[r]);
+    if (p->combine && rc == 0)
+      CHECK_STATUS(res->combine_st[r], EPX_SUCCESS, "%s rank %d combine (%s)", what, r, res->err[r]);
+  }
+  if (p->combine && rc == 0) {
+    void *want[TU_MAX_RANKS];
+    tu_dense(m, p->recv_dtype, p->y_dtype, p->out_dtype, p->layout == EPX_LAYOUT_EXPERT || p->algo == EPX_ALGO_LL,
+             dense_w ? dense_w : (const float *const *)m->w, want);
+    for (int r = 0; r < R; r++) {
+      char ww[640];
+      snprintf(ww, sizeof ww, "%s rank %d out vs dense_moe", what, r);
+      tu_check_bits(ww, p->out_dtype, res->out[r], want[r], m->T[r] * m->H, m->H);
+    }
+    tu_free_all(want, R);
+  }
+  return rc;
+}
+
 void tu_pipe_free(tu_pipe_res_t *res, int R) {
   for (int r = 0; r < R; r++) {
     tu_expect_free(&res->ex[r]);

@@ -187,6 +187,13 @@ typedef struct {
 int tu_pipe_run(tu_world_t *w, epx_handle_t *const *h, const tu_moe_t *m, const tu_pipe_t *p, tu_pipe_res_t *res);
 void tu_pipe_free(tu_pipe_res_t *res, int R);
 
+/* tu_pipe_run with every call's status checked (named by `what`, the rank and its message);
+ * then, where the combine ran on every rank, each rank's out against tu_dense with the
+ * combine's weights `dense_w` (NULL: the routing's), bit for bit. Returns tu_pipe_run's
+ * result; the caller checks more in res if it likes, then frees it (tu_pipe_free). */
+int tu_pipe_check(const char *what, tu_world_t *w, epx_handle_t *const *h, const tu_moe_t *m, const tu_pipe_t *p,
+                  const float *const *dense_w, tu_pipe_res_t *res);
+
 /* Stand-in experts on received rows (what a user's expert GEMM would do), independent of
  * dense_ref's code path:
  *   token layout: y[n] = cast_y(sum_k ascending, idx >= 0, of fl32(w * float(cast_y(scale(d*L+idx) * xin))))
