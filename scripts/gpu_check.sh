@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
-#   scripts/gpu_check.sh [tests] [bench] [nvlink] [nccl] [all]   (default all; nvlink and nccl
-#   need 2+ GPUs; nccl is the NCCL all-to-all baseline of the nvlink shapes)
+#   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [nccl] [all]   (default all; nvlink,
+#   scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; nccl is the NCCL all-to-all
+#   baseline of the nvlink shapes)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -88,6 +89,17 @@ if want nvlink && [ "$ngpu" -ge 2 ]; then
   run "nvlink-prefill32k-ep$ngpu"  $b --tokens 32768 --iters 5 --layout expert --align 128
   run "nvlink-ll128-ep$ngpu"       $b --tokens 128 --iters 50 --mode ll --graph --check
 fi
+# How the fused and low-latency paths scale with their SM budget (one rank per GPU): a phase
+# whose time halves with twice the SMs is bound by the SMs' own memory traffic, not the link.
+if want scaling && [ "$ngpu" -ge 2 ]; then
+  b="$build/epx-bench --backend cuda --json --ranks $ngpu"
+  for sms in 8 16 32 64; do
+    run "scaling-expert-sms$sms" $b --tokens 4096 --iters 10 --layout expert --align 128 --num-sms $sms
+    run "scaling-token-sms$sms"  $b --tokens 4096 --iters 10 --num-sms $sms
+    run "scaling-ll128-sms$sms"  $b --tokens 128 --iters 50 --mode ll --graph --num-sms $sms
+  done
+  run "scaling-ll128-sms132" $b --tokens 128 --iters 50 --mode ll --graph --num-sms 132
+fi
 if want nccl && [ "$ngpu" -ge 2 ]; then
   run "nccl-ds3-ep$ngpu"     python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 4096 --iters 10
   run "nccl-prefill32k-ep$ngpu" python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 32768 --iters 5
@@ -96,7 +108,7 @@ fi
 echo
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
-grep -h '^{' "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/nccl-*.log 2>/dev/null > "$out/bench.jsonl" || true
+grep -h '^{' "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log 2>/dev/null > "$out/bench.jsonl" || true
 # fused path against the all-to-all baseline, same shape (dispatch + combine)
 python3 - "$out/bench.jsonl" <<'PY' || true
 import json, sys
@@ -117,7 +129,7 @@ for r in epx:
             print(f"speedup over NCCL all-to-all, EP{r['ranks']} {r['tokens']} tokens/rank: {total(n) / total(r):.2f}x "
                   f"({total(r):.3f} ms vs {total(n):.3f} ms)")
 PY
-for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/nccl-*.log; do
+for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"
   grep -E '^(copy|dispatch|combine|notify|check|with a GPU|\{"baseline)' "$f"

@@ -3,7 +3,7 @@
  *
  * Every operation is enqueued on the comm's stream and returns without waiting, except where
  * the caller asked for exact sizes (the handle's `exact`): then notify waits for the counts.
- * Allocations after set-up are stream-ordered, from the world's own pools (make_pools), so
+ * Allocations after set-up are stream-ordered, from the world's own pools (connect_devices), so
  * growing a buffer never synchronises the device nor waits on another stream while a peer's
  * kernel waits on this rank.
  *
@@ -31,7 +31,7 @@ typedef struct {
   bool shared;               /* across processes: errors_host is the group's shared page, registered */
   int num_devices;
   cudaMemPool_t *pools;      /* [num_devices]: epx's stream-ordered memory on the devices of this
-                                process's ranks (see make_pools), NULL elsewhere */
+                                process's ranks (see connect_devices), NULL elsewhere */
 } cuda_world_t;
 
 typedef struct {
@@ -172,15 +172,16 @@ static void world_free(cuda_world_t *cw) {
   free(cw);
 }
 
-/* epx's stream-ordered memory (plans, partials, staging) comes from pools of its own, one per
- * device of this process's ranks, rather than the device's default pool, which may let an
- * allocation on one stream reuse a block freed on another by making the first stream wait for
- * the second (cudaMemPoolReuseAllowInternalDependencies). Between ranks whose kernels wait on
- * each other such a wait is a deadlock: the pools here never add one. Like the default pool
- * they give freed memory back at synchronisations (release threshold 0), so what a broken
- * comm keeps (its state) holds only its own block; ranks of this process on other devices
- * may read them (peers read plans and partials). */
-static epx_status_t make_pools(const epx_world_t *w, cuda_world_t *cw, int count) {
+/* The devices of this process's ranks. epx's stream-ordered memory (plans, partials, staging)
+ * comes from pools of its own, one per device, rather than the device's default pool, which
+ * may let an allocation on one stream reuse a block freed on another by making the first
+ * stream wait for the second (cudaMemPoolReuseAllowInternalDependencies). Between ranks whose
+ * kernels wait on each other such a wait is a deadlock: the pools here never add one. Like the
+ * default pool they give freed memory back at synchronisations (release threshold 0), so what
+ * a broken comm keeps (its state) holds only its own block. Ranks of this process on
+ * different GPUs read each other's memory directly, buffers and pools alike (a peer in another
+ * process is reached through its IPC mapping, which enables what it needs). */
+static epx_status_t connect_devices(const epx_world_t *w, cuda_world_t *cw, int count) {
   cw->num_devices = count;
   cw->pools = calloc((size_t)count, sizeof *cw->pools);
   if (!cw->pools) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world pools");
@@ -198,11 +199,19 @@ static epx_status_t make_pools(const epx_world_t *w, cuda_world_t *cw, int count
   for (int a = lo; a < hi; a++)
     for (int b = lo; b < hi; b++) {
       const int da = w->devices[a], db = w->devices[b];
+      int ok = 0;
       if (da == db) continue;
+      CUDA_TRY(cudaDeviceCanAccessPeer(&ok, da, db), "cudaDeviceCanAccessPeer");
+      if (!ok) return epxi_fail(EPX_ERR_UNSUPPORTED, "device %d cannot access device %d's memory (no P2P)", da, db);
+      CUDA_TRY(cudaSetDevice(da), "cudaSetDevice");
+      cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return cuda_fail(e, "cudaDeviceEnablePeerAccess");
+      cudaGetLastError();
       struct cudaMemAccessDesc access = {.location = {.type = cudaMemLocationTypeDevice, .id = da},
                                          .flags = cudaMemAccessFlagsProtReadWrite};
       CUDA_TRY(cudaMemPoolSetAccess(cw->pools[db], &access, 1), "cudaMemPoolSetAccess");
     }
+  CUDA_TRY(cudaSetDevice(w->devices[lo]), "cudaSetDevice");
   return EPX_SUCCESS;
 }
 
@@ -214,24 +223,9 @@ static epx_status_t cuda_world_create(epx_world_t *w) {
     if (w->devices[r] >= count)
       return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: device %d, but %d are visible", r, w->devices[r], count);
   }
-  /* Ranks of this process on different GPUs read each other's memory directly (a peer in
-   * another process is reached through its IPC mapping, which enables what it needs). */
-  const int lo = w->first_rank, hi = w->first_rank + w->num_local;
-  for (int a = lo; a < hi; a++)
-    for (int b = lo; b < hi; b++) {
-      int da = w->devices[a], db = w->devices[b], ok = 0;
-      if (da == db) continue;
-      CUDA_TRY(cudaDeviceCanAccessPeer(&ok, da, db), "cudaDeviceCanAccessPeer");
-      if (!ok) return epxi_fail(EPX_ERR_UNSUPPORTED, "device %d cannot access device %d's memory (no P2P)", da, db);
-      CUDA_TRY(cudaSetDevice(da), "cudaSetDevice");
-      cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
-      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return cuda_fail(e, "cudaDeviceEnablePeerAccess");
-      cudaGetLastError();
-    }
-  CUDA_TRY(cudaSetDevice(w->devices[lo]), "cudaSetDevice");
   cuda_world_t *cw = calloc(1, sizeof *cw);
   if (!cw) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world");
-  epx_status_t ps = make_pools(w, cw, count);
+  epx_status_t ps = connect_devices(w, cw, count);
   if (ps != EPX_SUCCESS) {
     world_free(cw);
     return ps;
@@ -861,19 +855,27 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
   return EPX_SUCCESS;
 }
 
+/* What notify, dispatch and combine start with: the rank's device, and the stream the operation
+ * runs on, noting whether a graph captures it (the handle's buffers must not move then). */
+static epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st) {
+  *st = op_stream(c);
+  ch->captured |= capturing(*st);
+  grow_frozen = ch->captured;
+  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
+  return EPX_SUCCESS;
+}
+
 static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st = op_stream(c);
   const bool ll = h->hc.algo == EPX_ALGO_LL;
-  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
-  if (h->hc.exact && !ll && capturing(st))
+  if (h->hc.exact && !ll && capturing(op_stream(c)))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: an exact notify waits for the counts, which a CUDA graph "
                      "capture cannot: create the handle with exact = 0", c->rank);
+  cudaStream_t st;
+  EPX_CHECK(op_begin(c, ch, &st));
   ch->known = false;
   ch->num_tokens = r->num_tokens;
-  ch->captured |= capturing(st);
-  grow_frozen = ch->captured;
   if (ll) { /* planned inside the dispatch that follows, in the same launch */
     ch->ll_route = *r;
     ch->ll_route_pending = true;
@@ -942,8 +944,8 @@ static epx_status_t cuda_handle_info(const epx_handle_t *h, epx_handle_info_t *i
 static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st = op_stream(c);
-  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  cudaStream_t st;
+  EPX_CHECK(op_begin(c, ch, &st));
   epxc_shape_t s = shape_of(c, h);
   epxc_dispatch_t d = {.x = a->x, .x_dtype = a->x_dtype, .recv_dtype = a->recv_dtype, .recv_x = a->recv_x,
                        .recv_scales = a->recv_scales, .recv_capacity = a->recv_capacity,
@@ -960,8 +962,6 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
     LAUNCH_TRY(epxc_ll_dispatch(&s, &cc->group, ch->ll_dev, &none, &d, st), "low-latency dispatch");
     return EPX_SUCCESS;
   }
-  ch->captured |= capturing(st);
-  grow_frozen = ch->captured;
   if (!a->x && ch->num_tokens > 0)
     return cuda_abort(c, h, EPXI_OP_DISPATCH,
                       epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", c->rank,
@@ -1017,8 +1017,8 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
 static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine_args_t *a) {
   cuda_comm_t *cc = CC(c);
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st = op_stream(c);
-  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  cudaStream_t st;
+  EPX_CHECK(op_begin(c, ch, &st));
   epxc_shape_t s = shape_of(c, h);
   epxc_combine_t k = {.y = a->y, .y_dtype = a->y_dtype, .out = a->out, .out_dtype = a->out_dtype,
                       .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
@@ -1031,8 +1031,6 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
     LAUNCH_TRY(epxc_ll_combine(&s, &cc->group, ch->ll_dev, &k, st), "low-latency combine");
     return EPX_SUCCESS;
   }
-  ch->captured |= capturing(st);
-  grow_frozen = ch->captured;
   if ((!a->out && ch->num_tokens > 0) || !a->y)
     return cuda_abort(c, h, EPXI_OP_COMBINE,
                       epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: %s is NULL", c->rank, a->y ? "out" : "y"));

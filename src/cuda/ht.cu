@@ -48,14 +48,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shap
           if (a.recv_topk_weights) a.recv_topk_weights[n * K + lane] = here ? src->weight[t * K + lane] : 0.0f;
         }
       } else {
-        int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
-        int64_t row[EPX_MAX_TOPK];
-        m = local_slots(&s, plan, src_rank, src, t, local, row, factor, slot);
-        for (int j = 0; j < m; j++) {
-          dst[j] = row_at_mut(a.recv_x, a.recv_dtype, row[j], H);
-          dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
-          if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
-        }
+        m = expert_rows(&s, plan, src_rank, src, t, &a, dst, dscale, factor);
       }
       if (raw)
         copy_row_raw(in, dst, m, (int64_t)recv_row_bytes);

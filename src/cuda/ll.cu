@@ -83,6 +83,21 @@ static __device__ slicing_t slicing(int64_t rows, int hidden) {
   return (slicing_t){width, (hidden + width - 1) / width};
 }
 
+/* Byte offset of channel c of row t in a [*, hidden] array of type dt (where a slice starts). */
+static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t, int hidden, int64_t c) {
+  return ((size_t)t * hidden + (size_t)c) * dtype_bytes(dt);
+}
+
+/* Pair i of the (source rank, source token) walk both kernels spread over every warp (a source
+ * alone has fewer tokens than the launch has warps): whether that token came to this rank. */
+static __device__ __forceinline__ bool pair_arrived(const epxc_shape_t *s, const epxc_plan_t *plan, int64_t i,
+                                                    int *src_rank, int64_t *t) {
+  *src_rank = (int)(i / s->max_tokens);
+  *t = i % s->max_tokens;
+  const epxc_peer_t *src = &plan->peer[*src_rank];
+  return *t < src->num_tokens && bit_set(src->rank_bits + (int64_t)s->rank * src->words, *t);
+}
+
 /* ---- planning (block 0) -------------------------------------------------------------------- */
 
 /* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. */
@@ -171,7 +186,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
   const int p = complete ? ll->dispatch_plan : (int)(calls & 1);
   const uint64_t epoch = complete ? ll->dispatch_epoch : seq0 + 1;
   epxc_plan_t *plan = ll->plan[p];
-  const int H = s.hidden, R = s.nranks, me = s.rank, lane = lane_id();
+  const int H = s.hidden, R = s.nranks, lane = lane_id();
   const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const bool fp8 = a.recv_dtype == EPX_FP8_E4M3, scaled = a.scale_by_probs != 0;
   /* staged in the receive type, unless every pair scales its copy: then in x's */
@@ -183,8 +198,8 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
     const slicing_t sl = slicing(T, H);
     for (int64_t i = warp_global(); T <= s.max_tokens && i < T * sl.count; i += warp_count()) {
       const int64_t t = i / sl.count, c = i % sl.count * sl.width, w = min(sl.width, (int64_t)H - c);
-      const void *in = (const char *)row_at(a.x, a.x_dtype, t, H) + c * dtype_bytes(a.x_dtype);
-      void *dst = (char *)row_at_mut(ll->stage[p], stage_dtype, t, H) + c * dtype_bytes(stage_dtype);
+      const void *in = (const char *)a.x + slice_offset(a.x_dtype, t, H, c);
+      void *dst = (char *)ll->stage[p] + slice_offset(stage_dtype, t, H, c);
       float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks + c / EPX_FP8_BLOCK : NULL;
       const float one = 1.0f;
       if (stage_dtype == a.x_dtype)
@@ -220,27 +235,19 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
   if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
   write_counts(&s, plan, &a);
 
-  /* (source, token) pairs spread over every warp: a source alone has fewer tokens than warps */
   const size_t row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
   for (int64_t i = warp_global(); i < (int64_t)R * s.max_tokens; i += warp_count()) {
-    const int src_rank = (int)(i / s.max_tokens);
-    const int64_t t = i % s.max_tokens;
+    int src_rank;
+    int64_t t;
+    if (!pair_arrived(&s, plan, i, &src_rank, &t)) continue;
     const epxc_peer_t *src = &plan->peer[src_rank];
-    if (t >= src->num_tokens || !bit_set(src->rank_bits + (int64_t)me * src->words, t)) continue;
     const void *stage = got_ptr(&g, src_rank, 2);
     const float *stage_scales = (const float *)got_ptr(&g, src_rank, 3);
     const epx_dtype_t src_dtype = (epx_dtype_t)st->got[src_rank][4]; /* as the source staged it */
-    int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
-    int64_t row[EPX_MAX_TOPK];
-    float factor[EPX_MAX_TOPK];
-    const int m = local_slots(&s, plan, src_rank, src, t, local, row, factor, slot);
     void *dst[EPX_MAX_TOPK];
     float *dscale[EPX_MAX_TOPK];
-    for (int j = 0; j < m; j++) {
-      dst[j] = row_at_mut(a.recv_x, a.recv_dtype, row[j], H);
-      dscale[j] = fp8 ? a.recv_scales + row[j] * blocks : NULL;
-      if (lane == 0 && a.recv_probs) a.recv_probs[row[j]] = factor[j];
-    }
+    float factor[EPX_MAX_TOPK];
+    const int m = expert_rows(&s, plan, src_rank, src, t, &a, dst, dscale, factor);
     const void *in = row_at(stage, src_dtype, t, H);
     if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */
       convert_row(in, src_dtype, a.recv_dtype, H, dst, dscale, factor, scaled, m);
@@ -286,11 +293,10 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     /* partials of the tokens that came here: row (source, token), local experts ascending */
     void *partials = ll->partials[calls & 1];
     for (int64_t i = warp_global(); live && i < (int64_t)R * s.max_tokens; i += warp_count()) {
-      const int src_rank = (int)(i / s.max_tokens);
-      const int64_t t = i % s.max_tokens;
-      const epxc_peer_t *src = &plan->peer[src_rank];
-      if (t >= src->num_tokens || !bit_set(src->rank_bits + (int64_t)me * src->words, t)) continue;
-      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(partials, a.y_dtype, i, H));
+      int src_rank;
+      int64_t t;
+      if (!pair_arrived(&s, plan, i, &src_rank, &t)) continue;
+      partial_of_token(&s, plan, src_rank, &plan->peer[src_rank], t, &a, row_at_mut(partials, a.y_dtype, i, H));
     }
     /* Across processes peers reach only this rank's arena: the weight gradients go there first
      * (double-buffered like the partials, for the same reason). */
@@ -332,10 +338,8 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     int m = 0;
     for (int d = 0; d < R; d++)
       if (bit_set(plan->rank_bits + (int64_t)d * W, t))
-        rows[m++] = (const char *)row_at(got_ptr(&g, d, 1), a.y_dtype, (int64_t)me * s.max_tokens + t, H) +
-                    c * dtype_bytes(a.y_dtype);
-    reduce_rows(rows, NULL, m, a.y_dtype, (char *)row_at_mut(a.out, a.out_dtype, t, H) + c * dtype_bytes(a.out_dtype),
-                a.out_dtype, (int)w);
+        rows[m++] = (const char *)got_ptr(&g, d, 1) + slice_offset(a.y_dtype, (int64_t)me * s.max_tokens + t, H, c);
+    reduce_rows(rows, NULL, m, a.y_dtype, (char *)a.out + slice_offset(a.out_dtype, t, H, c), a.out_dtype, (int)w);
     if (c == 0) slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }

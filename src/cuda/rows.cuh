@@ -24,12 +24,13 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
 }
 
 /* The slots of token t of `src` that land on rank `me`, sorted by local expert (ties in slot
- * order): local[j], row[j], weight[j], slot[j] for j < return value. Called by a whole warp.
- * The source's routing is usually a peer's memory, across the link: lane k reads slot k, so
- * the K slots cost one round trip (then one more for the expert bitmaps), not K. */
+ * order): their receive rows row[j] and routing weights weight[j], j < the return value.
+ * Called by a whole warp. The source's routing is usually a peer's memory, across the link:
+ * lane k reads slot k, so the K slots cost one round trip (then one more for the expert
+ * bitmaps), not K. */
 static_assert(EPX_MAX_TOPK <= 32, "local_slots gives each routing slot a lane of its own");
 static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
-                                  int64_t t, int *local, int64_t *row, float *weight, int *slot) {
+                                  int64_t t, int64_t *row, float *weight) {
   const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank, lane = lane_id();
   const int64_t W = src->words;
   int my_l = 0;
@@ -56,12 +57,26 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
   for (unsigned rest = here; rest; rest &= rest - 1) {
     const int k = __ffs(rest) - 1;
     const int p = __shfl_sync(0xffffffffu, pos, k);
-    local[p] = __shfl_sync(0xffffffffu, my_l, k);
     row[p] = __shfl_sync(0xffffffffu, my_row, k);
     weight[p] = __shfl_sync(0xffffffffu, my_w, k);
-    slot[p] = k;
   }
   return __popc(here);
+}
+
+/* Expert layout, receiving side of a dispatch: where token t of `src` goes here, one row per
+ * local expert it chose (dst, and dscale for fp8), with the routing weight of each (factor,
+ * also written to recv_probs). Returns how many rows. */
+static __device__ int expert_rows(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
+                                  int64_t t, const epxc_dispatch_t *a, void **dst, float **dscale, float *factor) {
+  const int blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  int64_t row[EPX_MAX_TOPK];
+  const int m = local_slots(s, plan, src_rank, src, t, row, factor);
+  for (int j = 0; j < m; j++) {
+    dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row[j], s->hidden);
+    dscale[j] = a->recv_dtype == EPX_FP8_E4M3 ? a->recv_scales + row[j] * blocks : NULL;
+    if (lane_id() == 0 && a->recv_probs) a->recv_probs[row[j]] = factor[j];
+  }
+  return m;
 }
 
 /* Copies a row unchanged to m destinations (the common case: same type, no scaling). */
@@ -238,11 +253,10 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
  * weighted and summed in ascending local expert. */
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
                                         const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out) {
-  int local[EPX_MAX_TOPK], slot[EPX_MAX_TOPK];
   int64_t row[EPX_MAX_TOPK];
   float w[EPX_MAX_TOPK];
   const void *rows[EPX_MAX_TOPK];
-  const int m = local_slots(s, plan, src_rank, src, t, local, row, w, slot);
+  const int m = local_slots(s, plan, src_rank, src, t, row, w);
   for (int j = 0; j < m; j++) {
     w[j] = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row[j]] : w[j];
     rows[j] = row_at(a->y, a->y_dtype, row[j], s->hidden);
