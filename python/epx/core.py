@@ -924,34 +924,45 @@ class World(_Owned):
         d = self.device_of(rank)
         return d is not None and sum(1 for r in self._ranks if self.device_of(r) == d) > 1
 
-    def run(self, fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
+    def run(self, fn: Callable[..., Any], *args, streams: Optional[Sequence[Any]] = None, **kwargs) -> List[Any]:
         """Runs ``fn(rank, *args, **kwargs)`` for every rank this process drives, each on its
         own thread (ctypes releases the GIL, so the collectives inside meet), and returns the
         results in rank order. If any rank raises, the first exception raised (in time) is
         re-raised once every thread has finished, with ``.rank`` set and the other ranks'
-        exceptions in ``.rank_errors``. A one-rank world runs ``fn`` on the calling thread."""
+        exceptions in ``.rank_errors``. A one-rank world runs ``fn`` on the calling thread.
+        CUDA: each rank thread runs with its device and a torch stream current: ``streams[i]``
+        for the i-th rank this process drives (torch's legacy default stream is allowed), else
+        one the world keeps per rank. Ranks that share a GPU must not make torch allocate on
+        other streams inside a collective (see _prepare_torch)."""
         ranks = list(self._ranks)
         if self.backend == "cuda":
-            fn = self._on_own_stream(fn)
+            fn = self._on_streams(fn, streams)
+        elif streams is not None:
+            raise ValueError("World.run: streams are for a CUDA world")
         if len(ranks) == 1:
             return [fn(ranks[0], *args, **kwargs)]
         return run_threads(ranks, fn, *args, **kwargs)
 
-    def _on_own_stream(self, fn):
-        """Each rank thread gets its device and a stream of its own (kept for the world's life):
-        ranks that shared torch's default stream would queue behind each other's kernels, which
-        wait on each other. Where ranks share a GPU, torch's first-use work is done first (see
-        _prepare_torch), every rank's before any rank runs ``fn``."""
+    def _on_streams(self, fn, streams):
+        """Each rank thread gets its device and its stream: ranks that shared one stream would
+        queue behind each other's kernels, which wait on each other. Where ranks share a GPU,
+        torch's first-use work is done on each stream first (see _prepare_torch), every rank's
+        before any rank runs ``fn``."""
         import torch
 
-        streams = self.__dict__.setdefault("_torch_streams", {})
         ranks = list(self._ranks)
-        for r in ranks:
-            if r not in streams:
-                streams[r] = torch.cuda.Stream(torch.device("cuda", self.device_of(r)))
-        reserved = self.__dict__.setdefault("_torch_reserved", set())
-        shared = [r for r in ranks if self.shares_device(r) and r not in reserved]
-        ready = threading.Barrier(len(ranks)) if shared and len(ranks) > 1 else None
+        if streams is None:
+            kept = self.__dict__.setdefault("_torch_streams", {})
+            for r in ranks:
+                if r not in kept:
+                    kept[r] = torch.cuda.Stream(torch.device("cuda", self.device_of(r)))
+            streams = [kept[r] for r in ranks]
+        elif len(streams) != len(ranks):
+            raise ValueError(f"World.run: {len(streams)} streams for the {len(ranks)} ranks this process drives")
+        stream_of = dict(zip(ranks, streams))
+        prepared = self.__dict__.setdefault("_torch_prepared", set())  # stream handles; torch caches per stream
+        todo = [r for r in ranks if self.shares_device(r) and stream_of[r].cuda_stream not in prepared]
+        ready = threading.Barrier(len(ranks)) if todo and len(ranks) > 1 else None
 
         try:  # the bound of every wait, as libepx reads it
             wait_s = int(os.environ.get("EPX_TIMEOUT_MS") or 30000) / 1000.0
@@ -960,11 +971,12 @@ class World(_Owned):
 
         def body(rank, *args, **kwargs):
             dev = torch.device("cuda", self.device_of(rank))
-            with torch.cuda.device(dev), torch.cuda.stream(streams[rank]):
+            stream = stream_of[rank]
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
                 try:
-                    if rank in shared:
-                        _prepare_torch(dev, streams[rank])
-                        reserved.add(rank)
+                    if rank in todo:
+                        _prepare_torch(dev, stream)
+                        prepared.add(stream.cuda_stream)
                     if ready is not None:
                         ready.wait(wait_s)
                 except threading.BrokenBarrierError:
@@ -1003,7 +1015,8 @@ def _prepare_torch(dev, stream) -> None:
     does not start until work issued before it finishes. When ranks share a GPU, a peer's
     kernel issued before it may be waiting for this rank's, issued after: the group stalls
     until the timeout. torch calls cudaMalloc whenever its cache for a stream runs short, so
-    each rank's cache is filled here, once, while no rank is inside a collective. Size:
+    each rank's cache is filled here, once per stream (torch caches per stream: memory on a
+    stream not prepared here comes from cudaMalloc), while no rank is inside a collective. Size:
     EPX_TORCH_RESERVE_MB (default 128) in one large block and a sixteenth of it in small ones.
     The backward pass starts torch's autograd thread for the GPU: a model's first backward,
     run while peers were inside a collective, stalled the group until the timeout on an H200

@@ -248,6 +248,8 @@ def test_world_run_reraises_first_and_collects():
             w.run(fn)
         assert ei.value.rank == 1 and list(ei.value.rank_errors) == [1]
         assert w.run(lambda r, a, b=0: (r, a, b), "a", b=2) == [(0, "a", 2), (1, "a", 2), (2, "a", 2)]
+        with pytest.raises(ValueError, match="streams are for a CUDA world"):
+            w.run(lambda r: r, streams=[None] * 3)
 
 
 def test_teardown_order_and_closed_objects():

@@ -400,25 +400,26 @@ CFG_GPU = dict(num_experts=E, hidden=HG, topk=K, max_tokens_per_rank=M, timeout_
 @pytest.mark.parametrize("stream", ["own", "default"])
 @pytest.mark.parametrize("algo,layout", [("ht", "token"), ("ht", "expert"), ("ll", "expert")])
 def test_cuda_tensors_match_host(algo, layout, stream):
-    """CUDA tensors on 4 ranks sharing GPU 0 give the CPU backend's bits. 'own': each rank thread
-    works on its own torch stream; 'default': on torch's legacy default stream (epx then runs
-    on a side stream, fenced both ways)."""
+    """CUDA tensors on 4 ranks sharing GPU 0 give the CPU backend's bits, epx following the
+    caller's current stream. 'own': each rank works on a stream the caller made; 'default': on
+    torch's legacy default stream (epx then runs on a side stream, fenced both ways)."""
     xs, idxs, ws = make_inputs(40, R, E, HG, K, TOKENS)
     xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
     want = _host_reference(xb, idxs, ws, algo, layout)
 
-    def rank(world, r):
+    def rank(world, r, s):
+        assert torch.cuda.current_stream() == s
         with world.comm(r, **CFG_GPU) as comm, comm.handle(algo, layout) as h:
-            s = torch.cuda.Stream() if stream == "own" else torch.cuda.current_stream()
-            with torch.cuda.stream(s):
-                res = h.dispatch(xb[r].cuda(), torch.tensor(idxs[r]).cuda(), torch.tensor(ws[r]).cuda())
-                out = h.combine(res.recv_x)
-                comm.synchronize()
-                s.synchronize()
-                return res.recv_x.cpu(), out.cpu(), res.tokens_per_local_expert.cpu()
+            res = h.dispatch(xb[r].cuda(), torch.tensor(idxs[r]).cuda(), torch.tensor(ws[r]).cuda())
+            out = h.combine(res.recv_x)
+            comm.synchronize()
+            s.synchronize()
+            return res.recv_x.cpu(), out.cpu(), res.tokens_per_local_expert.cpu()
 
+    dev = torch.device("cuda", 0)
+    streams = [torch.cuda.Stream(dev) if stream == "own" else torch.cuda.default_stream(dev) for _ in range(R)]
     with epx.World(R, backend="cuda", devices=[0] * R) as world:
-        got = world.run(lambda r: rank(world, r))
+        got = world.run(lambda r: rank(world, r, streams[r]), streams=streams)
     for r in range(R):
         rx, out, counts = got[r]
         wrx, wout = want[r]
@@ -513,10 +514,8 @@ def test_cuda_graph_low_latency_decode():
                 y = (res.recv_x.float() * sc[:, None, :]).to(torch.bfloat16)
                 return h.combine(y)
 
-            s = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                step()  # warm-up outside the graph (sizes the handle's buffers)
+            s = torch.cuda.current_stream(dev)  # World.run's, prepared: torch allocates on it
+            step()  # warm-up outside the graph (sizes the handle's buffers)
             s.synchronize()
             barrier.wait()
             g = torch.cuda.CUDAGraph()
