@@ -4,6 +4,7 @@ CombineFunction against a dense float64 torch reference, the Megatron-style disp
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -387,7 +388,7 @@ def _host_reference(xs_bf16, idxs, ws, algo, layout, align=1):
             y = res.recv_x
             return res.recv_x.clone(), h.combine(y)
 
-    with epx.World(R, backend="host") as world:
+    with epx.World(len(xs_bf16), backend="host") as world:
         return world.run(lambda r: rank(world, r))
 
 
@@ -395,41 +396,76 @@ HG = 128
 CFG_GPU = dict(num_experts=E, hidden=HG, topk=K, max_tokens_per_rank=M, timeout_ms=10000)
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("stream", ["own", "default"])
-@pytest.mark.parametrize("algo,layout", [("ht", "token"), ("ht", "expert"), ("ll", "expert")])
-def test_cuda_tensors_match_host(algo, layout, stream):
-    """CUDA tensors on 4 ranks sharing GPU 0 give the CPU backend's bits, epx following the
-    caller's current stream. 'own': each rank works on a stream the caller made; 'default': on
-    torch's legacy default stream (epx then runs on a side stream, fenced both ways)."""
-    xs, idxs, ws = make_inputs(40, R, E, HG, K, TOKENS)
-    xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
-    want = _host_reference(xb, idxs, ws, algo, layout)
+def _cuda_layer(world, r, xb, idxs, ws, algo, layout):
+    """dispatch -> combine of rank r on CUDA tensors, on the caller's current stream."""
+    with world.comm(r, **CFG_GPU) as comm, comm.handle(algo, layout) as h:
+        res = h.dispatch(xb[r].cuda(), torch.tensor(idxs[r]).cuda(), torch.tensor(ws[r]).cuda())
+        out = h.combine(res.recv_x)
+        comm.synchronize()
+        torch.cuda.current_stream().synchronize()
+        return res.recv_x.cpu(), out.cpu(), res.tokens_per_local_expert.cpu()
 
-    def rank(world, r, s):
-        assert torch.cuda.current_stream() == s
-        with world.comm(r, **CFG_GPU) as comm, comm.handle(algo, layout) as h:
-            res = h.dispatch(xb[r].cuda(), torch.tensor(idxs[r]).cuda(), torch.tensor(ws[r]).cuda())
-            out = h.combine(res.recv_x)
-            comm.synchronize()
-            s.synchronize()
-            return res.recv_x.cpu(), out.cpu(), res.tokens_per_local_expert.cpu()
 
-    dev = torch.device("cuda", 0)
-    streams = [torch.cuda.Stream(dev) if stream == "own" else torch.cuda.default_stream(dev) for _ in range(R)]
-    with epx.World(R, backend="cuda", devices=[0] * R) as world:
-        got = world.run(lambda r: rank(world, r, streams[r]), streams=streams)
-    for r in range(R):
-        rx, out, counts = got[r]
-        wrx, wout = want[r]
+def _assert_same_bits(got, want, algo):
+    for r, ((rx, out, counts), (wrx, wout)) in enumerate(zip(got, want)):
         if algo == "ll":
             for l in range(L):
                 c = int(counts[l])
-                assert torch.equal(rx[l, :c].view(torch.int16), wrx[l, :c].view(torch.int16))
+                assert torch.equal(rx[l, :c].view(torch.int16), wrx[l, :c].view(torch.int16)), f"rank {r} expert {l}"
         else:
-            assert torch.equal(rx.view(torch.int16), wrx.view(torch.int16))
-        assert torch.equal(out.view(torch.int16), wout.view(torch.int16))  # same bits on every backend
+            assert torch.equal(rx.view(torch.int16), wrx.view(torch.int16)), f"rank {r}"
+        assert torch.equal(out.view(torch.int16), wout.view(torch.int16)), f"rank {r}"  # same bits on every backend
+
+
+LAYERS = [("ht", "token"), ("ht", "expert"), ("ll", "expert")]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo,layout", LAYERS)
+def test_cuda_tensors_match_host(algo, layout):
+    """CUDA tensors on 4 ranks sharing GPU 0 give the CPU backend's bits, epx following the
+    streams the caller made (passed to World.run, which makes each current in its rank)."""
+    xs, idxs, ws = make_inputs(40, R, E, HG, K, TOKENS)
+    xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
+    want = _host_reference(xb, idxs, ws, algo, layout)
+    streams = [torch.cuda.Stream(torch.device("cuda", 0)) for _ in range(R)]
+    with epx.World(R, backend="cuda", devices=[0] * R) as world:
+        got = world.run(lambda r: _cuda_layer(world, r, xb, idxs, ws, algo, layout), streams=streams)
+    _assert_same_bits(got, want, algo)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_legacy_stream_refused_when_ranks_share_a_gpu():
+    """torch's legacy default stream is one queue for the whole GPU: ranks sharing a GPU on it
+    would queue behind each other's waiting kernels, so the frontend refuses before any
+    collective starts, on every rank, instead of stalling until the timeout."""
+    xs, idxs, ws = make_inputs(41, 2, E, HG, K, TOKENS[:2])
+    xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
+    legacy = torch.cuda.default_stream(torch.device("cuda", 0))
+    t0 = time.monotonic()
+    with epx.World(2, backend="cuda", devices=[0, 0]) as world:
+        with pytest.raises(epx.DeviceError, match="default stream") as ei:
+            world.run(lambda r: _cuda_layer(world, r, xb, idxs, ws, "ht", "token"), streams=[legacy, legacy])
+    assert sorted(ei.value.rank_errors) == [0, 1]
+    assert time.monotonic() - t0 < CFG_GPU["timeout_ms"] / 1000.0
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a GPU per rank")
+@pytest.mark.parametrize("algo,layout", LAYERS)
+def test_cuda_legacy_stream_one_rank_per_gpu(algo, layout):
+    """On torch's legacy default stream (torch's default) with a GPU per rank: epx runs on a
+    side stream of the comm, fenced both ways with the caller's stream; same bits as the CPU."""
+    xs, idxs, ws = make_inputs(42, 2, E, HG, K, TOKENS[:2])
+    xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
+    want = _host_reference(xb, idxs, ws, algo, layout)
+    streams = [torch.cuda.default_stream(torch.device("cuda", d)) for d in range(2)]
+    with epx.World(2, backend="cuda", devices=[0, 1]) as world:
+        got = world.run(lambda r: _cuda_layer(world, r, xb, idxs, ws, algo, layout), streams=streams)
+    _assert_same_bits(got, want, algo)
 
 
 @gpu
