@@ -297,11 +297,29 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int6
     }
 }
 
-/* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), a warp per
- * row: warp `first` of `step` warps takes rows first, first + step, ... */
+/* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), by warps
+ * `first`, first + step, ... of the launch. Rows of a few words (a decode step's) go a lane per
+ * row, its words loaded at once: a warp per row would chain one memory round trip per row. */
+#define PREFIX_LANE_WORDS 8
 static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int64_t first, int64_t step) {
   const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
   const int R = s->nranks, rows = R + s->num_experts, lane = lane_id();
+  if (used <= PREFIX_LANE_WORDS) {
+    for (int64_t row = first * 32 + lane; row < rows; row += step * 32) {
+      const uint32_t *bits = row < R ? plan->rank_bits + row * W : plan->exp_bits + (row - R) * W;
+      int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
+      uint32_t b[PREFIX_LANE_WORDS];
+#pragma unroll
+      for (int w = 0; w < PREFIX_LANE_WORDS; w++) b[w] = w < used ? bits[w] : 0;
+      int32_t carry = 0;
+#pragma unroll
+      for (int w = 0; w < PREFIX_LANE_WORDS; w++) {
+        if (w < used) pre[w] = carry;
+        carry += __popc(b[w]);
+      }
+    }
+    return;
+  }
   for (int64_t row = first; row < rows; row += step) {
     const uint32_t *bits = row < R ? plan->rank_bits + row * W : plan->exp_bits + (row - R) * W;
     int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;

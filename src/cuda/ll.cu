@@ -18,6 +18,33 @@
  * blocks leave room for two per SM. */
 #define LL_THREADS 512
 
+/* Build with -DEPX_LL_TRACE to have rank 0's block 0 print when each phase of every launch
+ * ended (ns since the launch started): where a decode step's latency goes. */
+#ifdef EPX_LL_TRACE
+#include <stdio.h>
+#define LL_TRACE_DECL uint64_t trace_[8] = {0}; int ntrace_ = 0
+#define LL_TRACE() \
+  do {             \
+    if (threadIdx.x == 0 && blockIdx.x == 0 && ntrace_ < 8) trace_[ntrace_++] = globaltimer_ns(); \
+  } while (0)
+#define LL_TRACE_PRINT(what)                                                                                   \
+  do {                                                                                                         \
+    if (threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0)                                                    \
+      printf("lltrace %s:", what);                                                                             \
+    for (int i_ = 1; threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0 && i_ < ntrace_; i_++)                 \
+      printf(" %llu", (unsigned long long)(trace_[i_] - trace_[0]));                                           \
+    if (threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0) printf("\n");                                      \
+  } while (0)
+#else
+#define LL_TRACE_DECL
+#define LL_TRACE() \
+  do {             \
+  } while (0)
+#define LL_TRACE_PRINT(what) \
+  do {                       \
+  } while (0)
+#endif
+
 /* Waits until *p >= target, on this rank's own memory (the blocks of one launch). */
 static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint64_t target, int phase) {
   const uint64_t start = globaltimer_ns();
@@ -151,6 +178,12 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
   __shared__ int32_t count[EPX_MAX_EXPERTS]; /* [L, R] */
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) count[i] = plan->peer[i % R].counts[R + me * L + i / R];
   __syncthreads();
+  /* the total is summed as the counts are placed (a warp sum, then one shared add per warp),
+   * not read back from memory by one thread */
+  __shared__ unsigned int pairs;
+  if (threadIdx.x == 0) pairs = 0;
+  __syncthreads();
+  unsigned int mine = 0;
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int64_t n = 0;
     const int64_t block = (int64_t)l * R * s->max_tokens;
@@ -160,13 +193,14 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
     }
     plan->pairs_local[l] = (int32_t)n;
     plan->block[l] = block;
+    mine += (unsigned int)n;
   }
+  mine = __reduce_add_sync(0xffffffffu, mine);
+  if (lane_id() == 0 && mine) atomicAdd(&pairs, mine);
   __syncthreads();
   if (threadIdx.x == 0) {
-    int64_t pairs = 0;
-    for (int l = 0; l < L; l++) pairs += plan->pairs_local[l];
     plan->block[L] = (int64_t)L * R * s->max_tokens;
-    plan->num_pairs = pairs;
+    plan->num_pairs = (int64_t)pairs;
     plan->num_rows = plan->block[L];
   }
   __syncthreads();
@@ -177,6 +211,8 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
 static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g,
                                                                             epxc_ll_t *ll, epxc_route_t route,
                                                                             epxc_dispatch_t a) {
+  LL_TRACE_DECL;
+  LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
   if (((volatile epxc_state_t *)st)->aborted) return;
   /* read before block 0 can move them (it does so only after every block has arrived) */
@@ -195,6 +231,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
   if (!complete) {
     const int64_t T = route.num_tokens;
     if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
+    LL_TRACE(); /* 1: planned */
     const slicing_t sl = slicing(T, H);
     for (int64_t i = warp_global(); T <= s.max_tokens && i < T * sl.count; i += warp_count()) {
       const int64_t t = i / sl.count, c = i % sl.count * sl.width, w = min(sl.width, (int64_t)H - c);
@@ -208,6 +245,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
         convert_row(in, a.x_dtype, stage_dtype, (int)w, &dst, &dscale, &one, 0, 1);
     }
     const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_DISPATCH);
+    LL_TRACE(); /* 2: staged, every block arrived */
     if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
     if (blockIdx.x == 0) {
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
@@ -225,10 +263,13 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
     }
   }
   if (blockIdx.x == 0) {
-    if (exchange_wait(&g, EPXC_PH_LL_DISPATCH, st->aborted ? 0 : epoch) && st->group_status == EPX_SUCCESS)
-      place_block(&s, &g, plan);
+    LL_TRACE(); /* 3: posted */
+    const bool met = exchange_wait(&g, EPXC_PH_LL_DISPATCH, st->aborted ? 0 : epoch);
+    LL_TRACE(); /* 4: every peer posted */
+    if (met && st->group_status == EPX_SUCCESS) place_block(&s, &g, plan);
     if (threadIdx.x == 0) plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
     release_all(st, epoch);
+    LL_TRACE(); /* 5: placed, released */
   } else if (!wait_ready(&g, st, epoch, EPXC_PH_LL_DISPATCH)) {
     return;
   }
@@ -258,6 +299,8 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
           for (int b = lane; b < blocks; b += 32) dscale[j][b] = stage_scales[t * blocks + b];
     }
   }
+  LL_TRACE(); /* 6: block 0's rows copied */
+  LL_TRACE_PRINT("dispatch plan stage post wait place copy");
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
@@ -278,6 +321,8 @@ static __device__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *pla
 
 static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_shape_t s, epxc_group_t g,
                                                                            epxc_ll_t *ll, epxc_combine_t a) {
+  LL_TRACE_DECL;
+  LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
   if (((volatile epxc_state_t *)st)->aborted) return;
   const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->combines;
@@ -305,7 +350,9 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
       if (live) stage_wgrad(&s, plan, wgrad, ll->wgrad[calls & 1]);
       wgrad = ll->wgrad[calls & 1];
     }
+    LL_TRACE(); /* 1: partials */
     const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_COMBINE);
+    LL_TRACE(); /* 2: every block arrived */
     if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
     if (blockIdx.x == 0) {
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
@@ -322,8 +369,10 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     }
   }
   if (blockIdx.x == 0) {
+    LL_TRACE(); /* 3: posted */
     exchange_wait(&g, EPXC_PH_LL_COMBINE, st->aborted ? 0 : epoch);
     release_all(st, epoch);
+    LL_TRACE(); /* 4: every peer posted, released */
   } else if (!wait_ready(&g, st, epoch, EPXC_PH_LL_COMBINE)) {
     return;
   }
@@ -342,6 +391,8 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     reduce_rows(rows, NULL, m, a.y_dtype, (char *)a.out + slice_offset(a.out_dtype, t, H, c), a.out_dtype, (int)w);
     if (c == 0) slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
+  LL_TRACE(); /* 5: block 0's sums */
+  LL_TRACE_PRINT("combine partials arrive post wait sum");
 }
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
