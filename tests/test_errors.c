@@ -1,21 +1,10 @@
 /* test_errors: one case per kind of bad input. Each checks the exact status, that
  * epx_last_error() says something relevant, that nothing was written, and (for collective
  * calls) that the comms still work afterwards. */
-#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "testutil.h"
-
-static int contains(const char *msg, const char *word) {
-  const size_t n = strlen(word);
-  for (const char *p = msg; *p; p++) {
-    size_t i = 0;
-    while (i < n && p[i] && tolower((unsigned char)p[i]) == tolower((unsigned char)word[i])) i++;
-    if (i == n) return 1;
-  }
-  return 0;
-}
 
 /* ---- one collective call on every rank ------------------------------------------------ */
 enum { OP_NOTIFY, OP_DISPATCH };
@@ -182,7 +171,7 @@ static void expert_out_of_range(void) {
       CHECK(c.err[r][0], "%s: rank %d has no message", cases[i].what, r);
       CHECK(call_untouched(&c, r), "%s: rank %d's receive buffers were written", cases[i].what, r);
     }
-    CHECK(contains(c.err[1], "expert"), "%s: the message does not mention the expert: \"%s\"", cases[i].what, c.err[1]);
+    CHECK(tu_contains(c.err[1], "expert"), "%s: the message does not mention the expert: \"%s\"", cases[i].what, c.err[1]);
     printf("  %s: \"%s\"\n", cases[i].what, c.err[1]);
     call_free(&c);
     check_still_works(cases[i].what, &s.w, s.h, &m, EPX_LAYOUT_TOKEN, 1);
@@ -227,8 +216,8 @@ static void check_init(const char *what, int R, const epx_config_t *cfgs, epx_st
     CHECK_STATUS(c.st[r], want, "%s: rank %d", what, r);
     if (want == EPX_SUCCESS) continue;
     CHECK(c.err[r][0], "%s: rank %d has no message", what, r);
-    if (word1) CHECK(contains(c.err[r], word1), "%s: rank %d message lacks \"%s\": \"%s\"", what, r, word1, c.err[r]);
-    if (word2) CHECK(contains(c.err[r], word2), "%s: rank %d message lacks \"%s\": \"%s\"", what, r, word2, c.err[r]);
+    if (word1) CHECK(tu_contains(c.err[r], word1), "%s: rank %d message lacks \"%s\": \"%s\"", what, r, word1, c.err[r]);
+    if (word2) CHECK(tu_contains(c.err[r], word2), "%s: rank %d message lacks \"%s\": \"%s\"", what, r, word2, c.err[r]);
   }
   CHECK(secs < 5.0, "%s: the failing init took %.1f s", what, secs);
   if (want != EPX_SUCCESS) printf("  %s: \"%s\"\n", what, c.err[R - 1]);
@@ -279,7 +268,7 @@ static void row_alignment(void) {
     call_run(&c);
     for (int r = 0; r < 2; r++) {
       CHECK_STATUS(c.st[r], EPX_ERR_ROW_ALIGNMENT, "bf16 H=12: rank %d", r);
-      CHECK(contains(c.err[r], "16") || contains(c.err[r], "align"), "bf16 H=12: rank %d message: \"%s\"", r, c.err[r]);
+      CHECK(tu_contains(c.err[r], "16") || tu_contains(c.err[r], "align"), "bf16 H=12: rank %d message: \"%s\"", r, c.err[r]);
       CHECK(call_untouched(&c, r), "bf16 H=12: rank %d's buffers were written", r);
     }
     printf("  bf16 H=12: \"%s\"\n", c.err[0]);
@@ -345,7 +334,7 @@ static void output_too_small(epx_layout_t layout, int align) {
     CHECK_STATUS(c.st[1], EPX_ERR_OUTPUT_TOO_SMALL, "%s: rank 1 (needs %lld rows, has %lld)", what, (long long)need,
                  (long long)c.cap[1]);
     CHECK(call_untouched(&c, 1), "%s: rank 1's buffers were written", what);
-    CHECK(contains(c.err[1], "capacity"), "%s: rank 1's message does not mention the capacity: \"%s\"", what, c.err[1]);
+    CHECK(tu_contains(c.err[1], "capacity"), "%s: rank 1's message does not mention the capacity: \"%s\"", what, c.err[1]);
     printf("  %s: \"%s\"\n", what, c.err[1]);
     for (int r = 0; r < R; r += 2)
       CHECK(c.st[r] == EPX_SUCCESS || c.st[r] == EPX_ERR_OUTPUT_TOO_SMALL,
@@ -395,7 +384,7 @@ static void one_bad_rank(void) {
     }
     call_run(&c);
     CHECK_STATUS(c.st[bad], cases[i].want, "%s: rank %d", cases[i].what, bad);
-    CHECK(contains(c.err[bad], cases[i].word), "%s: the message does not mention %s: \"%s\"", cases[i].what,
+    CHECK(tu_contains(c.err[bad], cases[i].word), "%s: the message does not mention %s: \"%s\"", cases[i].what,
           cases[i].word, c.err[bad]);
     for (int r = 0; r < R; r++) {
       CHECK(c.st[r] != EPX_ERR_TIMEOUT && c.st[r] != EPX_ERR_BROKEN && c.secs[r] < 5.0,
@@ -448,7 +437,7 @@ static void null_and_invalid(void) {
   CHECK_STATUS(epx_world_create(&wc, &world), EPX_ERR_INVALID_ARGUMENT, "nranks 0");
   wc.nranks = EPX_MAX_RANKS + 1;
   CHECK_STATUS(epx_world_create(&wc, &world), EPX_ERR_INVALID_ARGUMENT, "nranks 65");
-  CHECK(contains(epx_last_error(), "nranks") || contains(epx_last_error(), "rank"), "nranks 65 message: \"%s\"",
+  CHECK(tu_contains(epx_last_error(), "nranks") || tu_contains(epx_last_error(), "rank"), "nranks 65 message: \"%s\"",
         epx_last_error());
 
   setup_t s;
@@ -460,7 +449,7 @@ static void null_and_invalid(void) {
   epx_comm_t *comm = s.w.comm[0], *c2 = NULL;
   epx_handle_t *h = s.h[0], *h2 = NULL;
   CHECK_STATUS(epx_comm_init(s.w.world, 0, NULL, &c2), EPX_ERR_NULL_POINTER, "comm_init config NULL");
-  CHECK(contains(epx_last_error(), "config") || contains(epx_last_error(), "cfg"), "config NULL message: \"%s\"",
+  CHECK(tu_contains(epx_last_error(), "config") || tu_contains(epx_last_error(), "cfg"), "config NULL message: \"%s\"",
         epx_last_error());
   epx_config_t cfg = tu_config(4, 16, 2, 32);
   CHECK_STATUS(epx_comm_init(s.w.world, 1, &cfg, &c2), EPX_ERR_INVALID_ARGUMENT, "comm_init rank 1 of 1");
@@ -470,7 +459,7 @@ static void null_and_invalid(void) {
   CHECK_STATUS(epx_handle_create(comm, &hc, NULL), EPX_ERR_NULL_POINTER, "handle_create out-pointer NULL");
   hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 0);
   CHECK_STATUS(epx_handle_create(comm, &hc, &h2), EPX_ERR_INVALID_ARGUMENT, "expert layout, align 0");
-  CHECK(contains(epx_last_error(), "align"), "align 0 message: \"%s\"", epx_last_error());
+  CHECK(tu_contains(epx_last_error(), "align"), "align 0 message: \"%s\"", epx_last_error());
 
   int64_t T[1] = {6};
   tu_route_opts_t o = tu_route_default();
@@ -483,9 +472,9 @@ static void null_and_invalid(void) {
   a.x = m.x[0], a.x_dtype = EPX_FLOAT32, a.recv_dtype = EPX_FLOAT32, a.recv_x = recv, a.recv_capacity = 64;
 
   CHECK_STATUS(epx_dispatch(NULL, h, &rt, &a), EPX_ERR_NULL_POINTER, "dispatch comm NULL");
-  CHECK(contains(epx_last_error(), "comm"), "comm NULL message: \"%s\"", epx_last_error());
+  CHECK(tu_contains(epx_last_error(), "comm"), "comm NULL message: \"%s\"", epx_last_error());
   CHECK_STATUS(epx_dispatch(comm, NULL, &rt, &a), EPX_ERR_NULL_POINTER, "dispatch handle NULL");
-  CHECK(contains(epx_last_error(), "handle"), "handle NULL message: \"%s\"", epx_last_error());
+  CHECK(tu_contains(epx_last_error(), "handle"), "handle NULL message: \"%s\"", epx_last_error());
   CHECK_STATUS(epx_dispatch(comm, h, &rt, NULL), EPX_ERR_NULL_POINTER, "dispatch args NULL");
   CHECK_STATUS(epx_notify(comm, h, NULL), EPX_ERR_NULL_POINTER, "notify routing NULL");
   CHECK_STATUS(epx_notify(NULL, h, &rt), EPX_ERR_NULL_POINTER, "notify comm NULL");
@@ -499,7 +488,7 @@ static void null_and_invalid(void) {
   CHECK(*epx_last_error(), "x NULL: a message");
   a.x = m.x[0], a.recv_x = NULL;
   CHECK_STATUS(epx_dispatch(comm, h, &rt, &a), EPX_ERR_NULL_POINTER, "dispatch recv_x NULL");
-  CHECK(contains(epx_last_error(), "recv_x"), "recv_x NULL message: \"%s\"", epx_last_error());
+  CHECK(tu_contains(epx_last_error(), "recv_x"), "recv_x NULL message: \"%s\"", epx_last_error());
   a.recv_x = recv;
   CHECK(tu_is_poison(recv, sizeof(float) * 64 * 16), "a failed dispatch wrote recv_x");
 

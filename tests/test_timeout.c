@@ -1,23 +1,12 @@
 /* test_timeout: a rank that never arrives. With timeout_ms = 200, ranks 0 and 1 of a world of
  * 3 get EPX_ERR_TIMEOUT (naming the phase and rank 2) within a bounded time, every later call
  * on their comms fails fast with EPX_ERR_BROKEN, and a new world works again. */
-#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "testutil.h"
 
 enum { R = 3, E = 6, H = 16, K = 2, TIMEOUT_MS = 200 };
-
-static int contains(const char *msg, const char *word) {
-  const size_t n = strlen(word);
-  for (const char *p = msg; *p; p++) {
-    size_t i = 0;
-    while (i < n && p[i] && tolower((unsigned char)p[i]) == tolower((unsigned char)word[i])) i++;
-    if (i == n) return 1;
-  }
-  return 0;
-}
 
 typedef struct {
   tu_world_t *w;
@@ -95,9 +84,9 @@ static void stalled_world(int stall_after_notify) {
       CHECK(c.first_secs[r] < 5.0, "%s: rank %d waited %.2f s with a %d ms timeout", what, r, c.first_secs[r], TIMEOUT_MS);
       CHECK(c.first_secs[r] >= 0.5 * TIMEOUT_MS / 1000.0, "%s: rank %d gave up after %.3f s, before the %d ms timeout",
             what, r, c.first_secs[r], TIMEOUT_MS);
-      CHECK(contains(c.err[r], "rank 2") || contains(c.err[r], "peer 2"),
+      CHECK(tu_contains(c.err[r], "rank 2") || tu_contains(c.err[r], "peer 2"),
             "%s: rank %d's message does not name rank 2: \"%s\"", what, r, c.err[r]);
-      CHECK(contains(c.err[r], phase) || contains(c.err[r], "phase"), "%s: rank %d's message names no phase: \"%s\"",
+      CHECK(tu_contains(c.err[r], phase) || tu_contains(c.err[r], "phase"), "%s: rank %d's message names no phase: \"%s\"",
             what, r, c.err[r]);
       CHECK_STATUS(c.notify_again[r], EPX_ERR_BROKEN, "%s: rank %d, epx_notify after the timeout", what, r);
       CHECK(c.err_again[r][0], "%s: rank %d, a message for the broken comm", what, r);

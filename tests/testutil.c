@@ -2,6 +2,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "testutil.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -124,6 +125,16 @@ const char *tu_dtype(epx_dtype_t t) {
     case EPX_BOOL: return "bool";
   }
   return "?";
+}
+
+int tu_contains(const char *msg, const char *word) {
+  const size_t n = strlen(word);
+  for (const char *p = msg; *p; p++) {
+    size_t i = 0;
+    while (i < n && p[i] && tolower((unsigned char)p[i]) == tolower((unsigned char)word[i])) i++;
+    if (i == n) return 1;
+  }
+  return 0;
 }
 
 float tu_load(epx_dtype_t t, const void *base, size_t i) {

@@ -51,6 +51,7 @@ int tu_nblocks(int H); /* fp8 scales per row */
 float tu_recv_value(epx_dtype_t recv_dtype, const void *rows, const float *scales, int H, int64_t row, int c);
 void tu_store_nan(epx_dtype_t t, void *base, size_t i);
 const char *tu_dtype(epx_dtype_t t); /* short name for messages */
+int tu_contains(const char *msg, const char *word); /* word in msg, any case: checks a message */
 
 /* ---- poison: unwritten memory shows ------------------------------------------------- */
 #define TU_POISON 0x7f

@@ -249,6 +249,16 @@ static void rank_main(mp_ctx_t *ctx) {
   }
 }
 
+/* One run of the group: sh->R processes through bootstrap `boot`. */
+static void launch(shape_t *sh, mp_boot_t boot, const char *label, int limit_s) {
+  printf("-- %d processes, %s bootstrap%s: L=%d H=%d K=%d max_tokens=%d\n", sh->R, mp_boot_name(boot), label, sh->L,
+         sh->H, sh->K, sh->max_tokens);
+  mp_launch_t l = {.nprocs = sh->R, .boot = boot, .limit_s = limit_s};
+  double t0 = mp_now();
+  mp_launch(&l, rank_main, sh);
+  printf("   %.2f s\n", mp_now() - t0);
+}
+
 int main(void) {
   mp_begin("test_mp_pipeline");
   char shm_before[8192];
@@ -261,12 +271,7 @@ int main(void) {
       shape_t sh = {.R = sizes[si], .L = mp_int(&g, 1, 3), .H = 16 * mp_int(&g, 1, 13), .max_tokens = 24};
       int E = sh.R * sh.L;
       sh.K = mp_int(&g, 1, E < 4 ? E : 4);
-      printf("-- %d processes, %s bootstrap: L=%d H=%d K=%d max_tokens=%d\n", sh.R, mp_boot_name((mp_boot_t)b), sh.L,
-             sh.H, sh.K, sh.max_tokens);
-      mp_launch_t l = {.nprocs = sh.R, .boot = (mp_boot_t)b, .limit_s = 90};
-      double t0 = mp_now();
-      mp_launch(&l, rank_main, &sh);
-      printf("   %.2f s\n", mp_now() - t0);
+      launch(&sh, (mp_boot_t)b, "", 90);
       char extra[1024];
       int n = mp_shm_new(shm_before, extra, sizeof extra);
       CHECK(n == 0, "/dev/shm has %d new epx entries after the run: %s", n, extra);
@@ -275,12 +280,7 @@ int main(void) {
    * (and the peers remap them) between routings. */
   for (int b = 0; b < 2; b++) {
     shape_t sh = {.R = 3 + b, .L = 2, .H = 1024, .K = 4, .max_tokens = 160};
-    printf("-- %d processes, %s bootstrap, large: L=%d H=%d K=%d max_tokens=%d\n", sh.R, mp_boot_name((mp_boot_t)b),
-           sh.L, sh.H, sh.K, sh.max_tokens);
-    mp_launch_t l = {.nprocs = sh.R, .boot = (mp_boot_t)b, .limit_s = 120};
-    double t0 = mp_now();
-    mp_launch(&l, rank_main, &sh);
-    printf("   %.2f s\n", mp_now() - t0);
+    launch(&sh, (mp_boot_t)b, ", large", 120);
   }
   char extra[1024];
   int n = mp_shm_new(shm_before, extra, sizeof extra);
