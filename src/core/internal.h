@@ -2,6 +2,7 @@
 #ifndef EPX_INTERNAL_H
 #define EPX_INTERNAL_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -62,6 +63,11 @@ typedef struct {
   /* Optional (cross-process groups): the group's common page, and whether a peer is gone. */
   void *(*common)(epxi_group_t *group, size_t *bytes);
   bool (*peer_lost)(const epxi_group_t *group, int rank);
+  /* Any thread, never waits: break the group for good on behalf of `rank` (its waits and its
+   * peers' end with EPX_ERR_BROKEN); and what broke it so far, with a message (EPX_SUCCESS
+   * while whole; a dead peer counts even before a wait saw it). */
+  void (*abort)(epxi_group_t *group, int rank);
+  epx_status_t (*error)(const epxi_group_t *group, int rank, char *why, size_t size);
 } epxi_group_ops_t;
 
 /* The head of every implementation's group. */
@@ -120,12 +126,36 @@ void *epxi_group_common(epxi_group_t *group, size_t *bytes);
 /* Whether rank r's process is gone or it left the group (cross-process; never in-process).
  * Does not wait. */
 bool epxi_group_peer_lost(const epxi_group_t *group, int rank);
+/* epx_comm_abort's and epx_comm_get_async_error's part of the group (see its ops). */
+void epxi_group_abort(epxi_group_t *group, int rank);
+epx_status_t epxi_group_error(const epxi_group_t *group, int rank, char *why, size_t size);
 
 /* ---- objects --------------------------------------------------------------------------- */
 
 typedef struct epxi_backend epxi_backend_t;
 
+/* Live objects (objects.c). Every public call looks its objects up in a registry before it
+ * reads them, so a destroyed pointer is refused, not dereferenced. A comm's calls also take
+ * the comm (one call at a time: EPX_ERR_BUSY for a second thread). */
+typedef enum { EPXI_OBJ_WORLD = 1, EPXI_OBJ_COMM, EPXI_OBJ_HANDLE } epxi_obj_kind_t;
+#define EPXI_MAGIC_WORLD 0x57505845u  /* "EXPW" */
+#define EPXI_MAGIC_COMM 0x43505845u   /* "EXPC" */
+#define EPXI_MAGIC_HANDLE 0x48505845u /* "EXPH" */
+#define EPXI_MAGIC_DEAD 0xdeadbeefu
+epx_status_t epxi_obj_register(void *obj, epxi_obj_kind_t kind);
+/* Whether obj is a live object of that kind (a NULL obj is not). */
+bool epxi_obj_live(const void *obj, epxi_obj_kind_t kind);
+/* Runs fn(obj, arg) with the registry locked when obj is live (its destroy waits meanwhile):
+ * returns fn's status, or EPX_ERR_INVALID_ARGUMENT naming `what`. fn must not wait. */
+epx_status_t epxi_obj_with(const void *obj, epxi_obj_kind_t kind, const char *what,
+                           epx_status_t (*fn)(void *obj, void *arg), void *arg);
+/* Unregisters a live object (its destroy, once nothing refuses it): the object's magic is
+ * poisoned. Returns false when obj was not live. */
+bool epxi_obj_unregister(void *obj, epxi_obj_kind_t kind);
+
 struct epx_world {
+  uint32_t magic;        /* EPXI_MAGIC_WORLD while live */
+  _Atomic int live_comms; /* its destroy is refused while > 0 */
   epx_backend_t backend;
   int nranks;            /* ranks of the whole group */
   int first_rank;        /* this process drives ranks [first_rank, first_rank + num_local): */
@@ -137,12 +167,15 @@ struct epx_world {
 };
 
 struct epx_comm {
+  uint32_t magic;        /* EPXI_MAGIC_COMM while live */
+  _Atomic int in_call;   /* a thread is inside a call on the comm (or its handles) */
+  _Atomic int live_handles; /* its destroy is refused while > 0 */
   epx_world_t *world;
   int rank, nranks;
   int num_local_experts; /* L */
   epx_config_t cfg;      /* after defaults */
   void *stream;
-  bool broken;
+  _Atomic bool broken;
   /* a SEND half whose COMPLETE has not come: nothing else may run on the comm until it does
    * (its exchange would pair with the peers' COMPLETE) */
   const struct epx_handle *pending;
@@ -159,6 +192,7 @@ typedef struct {
 } epxi_topk_t;
 
 struct epx_handle {
+  uint32_t magic;        /* EPXI_MAGIC_HANDLE while live */
   epx_comm_t *comm;
   epx_handle_config_t hc;
   bool planned;
@@ -193,7 +227,17 @@ struct epxi_backend {
   /* Takes part in `op` as far as the peers need to learn that this rank failed with `status`
    * (the argument checks in api.c found it), so none of them waits for it. */
   epx_status_t (*abort)(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t status);
+  /* epx_comm_abort and epx_comm_get_async_error (any thread, never wait); NULL: the backend
+   * has none, and the calls give EPX_ERR_UNSUPPORTED. The host backend's are the group's
+   * (epxi_comm_abort_group, epxi_comm_group_error); a GPU backend also ends its device waits
+   * and reports its device error word. */
+  epx_status_t (*comm_abort)(epx_comm_t *comm);
+  epx_status_t (*async_error)(epx_comm_t *comm, char *why, size_t size);
 };
+
+/* The group part of the two hooks above (api.c). */
+epx_status_t epxi_comm_abort_group(epx_comm_t *comm);
+epx_status_t epxi_comm_group_error(epx_comm_t *comm, char *why, size_t size);
 
 extern const epxi_backend_t epxi_host_backend;
 #ifdef EPX_HAVE_CUDA

@@ -512,4 +512,6 @@ const epxi_backend_t epxi_host_backend = {
     .dispatch = host_dispatch,
     .combine = host_combine,
     .abort = host_abort,
+    .comm_abort = epxi_comm_abort_group,
+    .async_error = epxi_comm_group_error,
 };
