@@ -4,6 +4,7 @@
 
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "epx.h"
@@ -101,6 +102,22 @@ epx_status_t epxi_bootstrap_connect(const epx_unique_id_t *id, int rank, int nra
                                     epxi_bootstrap_t **conn);
 epx_status_t epxi_bootstrap_exchange(const void *mine, void *all, size_t bytes, void *ctx);
 void epxi_bootstrap_close(epxi_bootstrap_t *conn);
+
+/* SHA-256 and HMAC-SHA256 (sha256.c), for the bootstrap's challenge-response; a comparison
+ * whose time does not depend on where the inputs differ. */
+#define EPXI_SHA256_BYTES 32
+typedef struct {
+  uint32_t h[8];
+  uint64_t bytes;
+  uint8_t buf[64];
+  size_t fill;
+} epxi_sha256_t;
+void epxi_sha256_init(epxi_sha256_t *s);
+void epxi_sha256_update(epxi_sha256_t *s, const void *data, size_t n);
+void epxi_sha256_final(epxi_sha256_t *s, uint8_t out[EPXI_SHA256_BYTES]);
+void epxi_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,
+                      uint8_t out[EPXI_SHA256_BYTES]);
+bool epxi_equal_ct(const void *a, const void *b, size_t n);
 
 /* The calls below dispatch through group->ops (group.c). */
 void epxi_group_destroy(epxi_group_t *group);
