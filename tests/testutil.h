@@ -195,6 +195,10 @@ void tu_pipe_free(tu_pipe_res_t *res, int R);
 int tu_pipe_check(const char *what, tu_world_t *w, epx_handle_t *const *h, const tu_moe_t *m, const tu_pipe_t *p,
                   const float *const *dense_w, tu_pipe_res_t *res);
 
+/* Whether the group of w still works: a fresh random pipeline (new handles, HT expert layout,
+ * combine) on every rank, checked against the dense reference. Returns 0 when it did. */
+int tu_world_usable(const char *what, tu_world_t *w, int E, int H, int K);
+
 /* Stand-in experts on received rows (what a user's expert GEMM would do), independent of
  * dense_ref's code path:
  *   token layout: y[n] = cast_y(sum_k ascending, idx >= 0, of fl32(w * float(cast_y(scale(d*L+idx) * xin))))
