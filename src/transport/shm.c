@@ -439,26 +439,32 @@ static void shm_abort(epxi_group_t *base, int rank) {
 static epx_status_t shm_error(const epxi_group_t *base, int rank, char *why, size_t size) {
   shm_group_t *g = (shm_group_t *)base;
   const int R = g->base.nranks;
+  const shm_header_t *mine = g->hdr[rank];
+  if (mine && atomic_load_explicit(&((shm_header_t *)mine)->state, memory_order_acquire) == STATE_BROKEN) {
+    snprintf(why, size, "%.*s", (int)sizeof mine->why, mine->why);
+    return mine->status;
+  }
+  /* a dead process first: it is the cause, the peers that gave up or left are its effects */
+  for (int r = 0; r < R; r++)
+    if (r != rank && g->hdr[r] && atomic_load(&g->hdr[r]->state) != STATE_LEFT && peer_gone(g, r)) {
+      snprintf(why, size, "peer rank %d lost: its process (pid %d) exited", r, (int)g->pid[r]);
+      return EPX_ERR_PEER_LOST;
+    }
   for (int r = 0; r < R; r++) {
     const shm_header_t *h = g->hdr[r];
-    if (!h) continue;
+    if (!h || r == rank) continue;
     uint32_t st = atomic_load_explicit(&((shm_header_t *)h)->state, memory_order_acquire);
     if (st == STATE_BROKEN) {
       epx_status_t s = h->status;
-      if (r != rank && s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST && s != EPX_ERR_BROKEN) s = EPX_ERR_PEER_LOST;
-      snprintf(why, size, "%s%.*s", r == rank ? "" : "a peer gave up: ", (int)sizeof h->why, h->why);
+      if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST && s != EPX_ERR_BROKEN) s = EPX_ERR_PEER_LOST;
+      snprintf(why, size, "a peer gave up: %.*s", (int)sizeof h->why, h->why);
       return s;
     }
-    if (r != rank && st == STATE_LEFT) {
+    if (st == STATE_LEFT) {
       snprintf(why, size, "rank %d left the group (it destroyed its world)", r);
       return EPX_ERR_PEER_LOST;
     }
   }
-  for (int r = 0; r < R; r++)
-    if (r != rank && peer_gone(g, r)) {
-      snprintf(why, size, "peer rank %d lost: its process (pid %d) exited", r, (int)g->pid[r]);
-      return EPX_ERR_PEER_LOST;
-    }
   return EPX_SUCCESS;
 }
 

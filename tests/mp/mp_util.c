@@ -311,11 +311,11 @@ int mp_launch(const mp_launch_t *l, mp_proc_fn fn, void *arg) {
       struct timespec ts = {0, 2000000L};
       nanosleep(&ts, NULL);
     }
-    int st;
-    pid_t w;
-    while ((w = waitpid(-1, &st, WNOHANG)) > 0)
-      for (int i = 0; i < n; i++)
-        if (pid[i] == w) done[i] = 1, wstatus[i] = st, left--;
+    for (int i = 0; i < n; i++) {
+      int st;
+      if (done[i] || (l->reap_after_s[i] > 0 && mp_now() - start < l->reap_after_s[i])) continue;
+      if (waitpid(pid[i], &st, WNOHANG) == pid[i]) done[i] = 1, wstatus[i] = st, left--;
+    }
     if (left > 0 && !killed && mp_now() > deadline) {
       for (int i = 0; i < n; i++)
         if (!done[i]) {

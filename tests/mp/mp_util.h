@@ -73,6 +73,9 @@ typedef struct {
   double limit_s;                /* watchdog: kill every process still running then */
   int expect_signal[MP_MAX_PROCS]; /* 0: the process must exit(0); else it must die of this signal */
   double kill_after_s[MP_MAX_PROCS]; /* > 0: the parent SIGKILLs the process this long after the launch */
+  double reap_after_s[MP_MAX_PROCS]; /* > 0: a process that ends earlier stays a zombie (unreaped)
+                                        until this long after the launch, as under a launcher
+                                        that reaps late */
 } mp_launch_t;
 
 /* Runs fn in nprocs processes; CHECKs how each ended. Returns the number of processes that
