@@ -26,6 +26,9 @@
  * loopback addresses are ever contacted. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -168,30 +171,75 @@ static void list_ranks(const bool *in, int n, bool want, char *buf, size_t size)
   if (count > 8 && len < size) snprintf(buf + len, size - len, " and %d more", count - 8);
 }
 
-/* Whether the other end of a loopback TCP connection belongs to this user, from the
- * kernel's socket table: 1 yes, 0 another user, -1 unknown (no /proc, not found). */
+/* The owner of the client end (peer -> local) of a loopback TCP connection, asked of the
+ * kernel by its address (sock_diag: one exact lookup, however many sockets exist): 1 this
+ * user, 0 another user, -1 unknown (no sock_diag here). */
+static int diag_same_user(const struct sockaddr_in *peer, const struct sockaddr_in *local, uid_t me) {
+  int nl = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+  if (nl < 0) return -1;
+  struct {
+    struct nlmsghdr nh;
+    struct inet_diag_req_v2 req;
+  } q;
+  memset(&q, 0, sizeof q);
+  q.nh.nlmsg_len = sizeof q;
+  q.nh.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  q.nh.nlmsg_flags = NLM_F_REQUEST;
+  q.req.sdiag_family = AF_INET;
+  q.req.sdiag_protocol = IPPROTO_TCP;
+  q.req.idiag_states = ~0u;
+  q.req.id.idiag_sport = peer->sin_port;
+  q.req.id.idiag_dport = local->sin_port;
+  q.req.id.idiag_src[0] = peer->sin_addr.s_addr;
+  q.req.id.idiag_dst[0] = local->sin_addr.s_addr;
+  q.req.id.idiag_cookie[0] = q.req.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  int found = -1;
+  struct timeval tv = {.tv_sec = 0, .tv_usec = 100000};
+  setsockopt(nl, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (send(nl, &q, sizeof q, 0) == (ssize_t)sizeof q) {
+    long buf[2048];
+    ssize_t n = recv(nl, buf, sizeof buf, 0);
+    const struct nlmsghdr *h = (const struct nlmsghdr *)buf;
+    if (n >= (ssize_t)NLMSG_LENGTH(sizeof(struct inet_diag_msg)) && NLMSG_OK(h, (size_t)n) &&
+        h->nlmsg_type == SOCK_DIAG_BY_FAMILY) {
+      const struct inet_diag_msg *m = NLMSG_DATA(h);
+      found = m->idiag_uid == (uint32_t)me;
+    }
+  }
+  close(nl);
+  return found;
+}
+
+/* The same from the kernel's socket table in /proc/net/tcp, where sock_diag is missing. */
+static int table_same_user(const struct sockaddr_in *peer, const struct sockaddr_in *local, uid_t me) {
+  FILE *f = fopen("/proc/net/tcp", "re");
+  if (!f) return -1;
+  /* the client's line: local = its end, remote = ours (each address printed as its raw
+   * 32-bit word in hex), found by a plain search, as a flood makes the table long */
+  char needle[40], line[512];
+  snprintf(needle, sizeof needle, " %08X:%04X %08X:%04X ", (unsigned)peer->sin_addr.s_addr, ntohs(peer->sin_port),
+           (unsigned)local->sin_addr.s_addr, ntohs(local->sin_port));
+  int found = -1;
+  while (found < 0 && fgets(line, sizeof line, f)) {
+    const char *at = strstr(line, needle);
+    unsigned long uid;
+    /* after the addresses: "st tx:rx tr:when retrnsmt uid" */
+    if (at && sscanf(at + strlen(needle), "%*X %*X:%*X %*X:%*X %*X %lu", &uid) == 1) found = uid == (unsigned long)me;
+  }
+  fclose(f);
+  return found;
+}
+
+/* Whether the other end of a loopback TCP connection belongs to this user: 1 yes, 0 another
+ * user, -1 unknown. */
 static int peer_same_user(int fd, uid_t me) {
   struct sockaddr_in peer, local;
   socklen_t pl = sizeof peer, ll = sizeof local;
   if (getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || getsockname(fd, (struct sockaddr *)&local, &ll) != 0 ||
       peer.sin_family != AF_INET)
     return -1;
-  FILE *f = fopen("/proc/net/tcp", "re");
-  if (!f) return -1;
-  char line[512];
-  int found = -1;
-  while (found < 0 && fgets(line, sizeof line, f)) {
-    unsigned la, lp, ra, rp, st;
-    unsigned long uid;
-    /* "sl: local rem st tx:rx tr:when retr uid ..." (addresses as the raw 32-bit word) */
-    if (sscanf(line, " %*d: %8X:%4X %8X:%4X %2X %*X:%*X %*X:%*X %*X %lu", &la, &lp, &ra, &rp, &st, &uid) != 6)
-      continue;
-    if (la == peer.sin_addr.s_addr && lp == ntohs(peer.sin_port) && ra == local.sin_addr.s_addr &&
-        rp == ntohs(local.sin_port))
-      found = uid == (unsigned long)me;
-  }
-  fclose(f);
-  return found;
+  int found = diag_same_user(&peer, &local, me);
+  return found >= 0 ? found : table_same_user(&peer, &local, me);
 }
 
 /* ---- the server ------------------------------------------------------------------------ */
