@@ -1,6 +1,6 @@
 /* test_mp_liveness: across processes (host backend), what a framework's watchdog relies on.
  *   forked child   a rank forks a child (which inherits its sockets and outlives it by
- *                  seconds), then dies, and its parent leaves it a zombie for seconds (so
+ *                  1.5 s), then dies, and its parent leaves it a zombie as long (so
  *                  neither a hang-up nor kill(pid, 0) shows it): the others, waiting in a notify, get
  *                  EPX_ERR_PEER_LOST naming it within a second, not their 20 s timeout
  *   abort          rank 0 aborts its comm from a watchdog thread, never calling the
@@ -41,13 +41,13 @@ static void nap(long ms) {
   nanosleep(&ts, NULL);
 }
 
-/* Forks a child that keeps every inherited socket open for 3 s (quietly), then dies. */
+/* Forks a child that keeps every inherited socket open for 1.5 s (quietly), then dies. */
 static void die_leaving_a_child(void) {
   pid_t c = fork();
   if (c == 0) {
     int null = open("/dev/null", O_WRONLY);
     if (null >= 0) dup2(null, 1), dup2(null, 2);
-    nap(3000);
+    nap(1500);
     _exit(0);
   }
   nap(50); /* the peers are waiting by now */
@@ -149,7 +149,7 @@ int main(void) {
       case_t c = {kinds[i], kinds[i] == CASE_ABORT ? 0 : mp_int(&g, 0, R - 1)};
       mp_launch_t l = {.nprocs = R, .boot = (mp_boot_t)b, .limit_s = 60};
       if (c.kind != CASE_ABORT) l.expect_signal[c.victim] = SIGKILL;
-      if (c.kind != CASE_ABORT) l.reap_after_s[c.victim] = 5; /* dead but not reaped: kill(pid, 0) still works */
+      if (c.kind != CASE_ABORT) l.reap_after_s[c.victim] = 1.5; /* dead but not reaped: kill(pid, 0) still works */
       printf("-- %s bootstrap: %s, rank %d\n", mp_boot_name(l.boot), case_name[c.kind], c.victim);
       double t0 = mp_now();
       mp_launch(&l, rank_main, &c);
