@@ -37,9 +37,9 @@
  *
  * Destroyed objects: every call checks that the world, comm or handle it is given is live
  * (a registry of live objects, so a destroyed pointer is never read): a destroyed one gives
- * EPX_ERR_INVALID_ARGUMENT, a second destroy too. What cannot be seen: a pointer that was
- * never an epx object but equals a live one, and a destroyed object's address that malloc
- * has since given to a new object of the same kind (the call then acts on the new one).
+ * EPX_ERR_INVALID_ARGUMENT, a second destroy too. What cannot be seen: a destroyed object's
+ * address that malloc has since given to a new object of the same kind (the call then acts
+ * on the new one).
  */
 #ifndef EPX_H
 #define EPX_H
@@ -156,7 +156,11 @@ EPX_API epx_backend_t epx_world_backend(const epx_world_t *world);
 /* ---- groups across processes (one process per GPU) ------------------------------------
  * NCCL-style: one rank calls epx_get_unique_id (which starts the bootstrap listener on this
  * host), the caller shares the id with the other processes however it likes, and every
- * process calls epx_world_create_rank with it. Alternatively bootstrap over the caller's own
+ * process calls epx_world_create_rank with it. The id is a secret (a random key; the
+ * listener admits only processes that prove they hold it, without sending it): whoever
+ * holds it can join the group as a missing rank or make the group fail, nobody else can.
+ * Every rank must run as one user; a rank's unix socket admits only the peer processes
+ * the group announced. Alternatively bootstrap over the caller's own
  * allgather (e.g. torch.distributed). The world then drives one rank: the one given.
  *
  * Both backends work this way; every process must be on this host. On CUDA (wc->devices[rank]

@@ -95,8 +95,9 @@ epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_excha
                                    int timeout_ms, epxi_group_t **group);
 
 /* TCP bootstrap of epx_get_unique_id / epx_world_create_rank (bootstrap.c): a connection to
- * the id's listener whose epxi_bootstrap_exchange is an epxi_exchange_fn (ctx = the
- * connection). Only loopback addresses are ever contacted. */
+ * the id's listener, authenticated both ways by the id's secret (a challenge-response),
+ * whose epxi_bootstrap_exchange is an epxi_exchange_fn (ctx = the connection). Only
+ * loopback addresses are ever contacted. */
 typedef struct epxi_bootstrap epxi_bootstrap_t;
 epx_status_t epxi_bootstrap_connect(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
                                     epxi_bootstrap_t **conn);
