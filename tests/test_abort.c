@@ -24,11 +24,6 @@
 #define K 2
 #define CAP 64
 
-static void nap(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 typedef struct {
   tu_world_t *w;
   epx_handle_t **h;
@@ -101,8 +96,8 @@ static void run_case(const char *what, int absent, int use_notify) {
 
   pthread_t ranks;
   pthread_create(&ranks, NULL, ranks_main, &a);
-  while (atomic_load(&a.entered) < R - 1) nap(1);
-  nap(100); /* they are waiting now */
+  while (atomic_load(&a.entered) < R - 1) tu_sleep_ms(1);
+  tu_sleep_ms(100); /* they are waiting now */
   for (int r = 0; r < R; r++) {
     epx_status_t st = EPX_ERR_INTERNAL;
     double t0 = tu_now();

@@ -32,13 +32,8 @@ static void refuses_dead(epx_comm_t *live, epx_handle_t *hd, epx_comm_t *cd) {
   int32_t idx[2 * K] = {0, 1, 2, 3};
   epx_routing_t rt = {.num_tokens = 2, .idx_dtype = EPX_INT32, .topk_idx = idx};
   epx_dispatch_args_t da;
-  epx_dispatch_args_init(&da);
-  da.x_dtype = da.recv_dtype = EPX_FLOAT32;
-  da.x = out, da.recv_x = out, da.recv_capacity = 1;
   epx_combine_args_t ca;
-  epx_combine_args_init(&ca);
-  ca.y_dtype = ca.out_dtype = EPX_FLOAT32;
-  ca.y = out, ca.out = out;
+  tu_refused_args(out, 1, &da, &ca);
   epx_handle_info_t info;
   memset(&info, TU_POISON, sizeof info);
   struct {

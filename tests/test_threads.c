@@ -20,11 +20,6 @@
 #define HAMMER_THREADS 4
 #define HAMMER_CALLS 300
 
-static void nap(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 typedef struct {
   tu_world_t *w;
   epx_handle_t **h;
@@ -37,12 +32,12 @@ static epx_status_t race_rank(int r, void *p) {
   race_t *a = p;
   epx_routing_t rt = tu_routing(a->m, r, TU_FORM_TOPK32);
   if (r == 1)
-    while (!atomic_load(&a->release_rank1)) nap(1);
+    while (!atomic_load(&a->release_rank1)) tu_sleep_ms(1);
   else
     atomic_store(&a->rank0_calling, 1);
   epx_status_t s;
   /* a call refused with BUSY took no part in anything: making it again is right */
-  while ((s = epx_notify(a->w->comm[r], a->h[r], &rt)) == EPX_ERR_BUSY) a->busy_retries++, nap(1);
+  while ((s = epx_notify(a->w->comm[r], a->h[r], &rt)) == EPX_ERR_BUSY) a->busy_retries++, tu_sleep_ms(1);
   CHECK_STATUS(s, EPX_SUCCESS, "rank %d: its own notify, with another thread knocking", r);
   return s;
 }
@@ -54,7 +49,7 @@ static void intrude(race_t *a) {
   epx_routing_t rt = tu_routing(a->m, 0, TU_FORM_TOPK32);
   epx_status_t s = EPX_SUCCESS;
   for (int tries = 0; tries < 5000 && s != EPX_ERR_BUSY; tries++) { /* until rank 0 is inside */
-    nap(1);
+    tu_sleep_ms(1);
     memset(tpr, TU_POISON, sizeof tpr);
     s = epx_get_layout(c, &rt, tpr, NULL, NULL);
   }
@@ -63,13 +58,8 @@ static void intrude(race_t *a) {
   CHECK(tu_is_poison(tpr, sizeof tpr), "get_layout's output untouched");
   void *buf = tu_alloc_poison(1024);
   epx_dispatch_args_t da;
-  epx_dispatch_args_init(&da);
-  da.x_dtype = da.recv_dtype = EPX_FLOAT32;
-  da.x = buf, da.recv_x = buf, da.recv_capacity = 4;
   epx_combine_args_t ca;
-  epx_combine_args_init(&ca);
-  ca.y_dtype = ca.out_dtype = EPX_FLOAT32;
-  ca.y = buf, ca.out = buf;
+  tu_refused_args(buf, 4, &da, &ca);
   epx_handle_info_t info;
   memset(&info, TU_POISON, sizeof info);
   CHECK_STATUS(epx_notify(c, a->h[0], &rt), EPX_ERR_BUSY, "a second notify");
@@ -113,7 +103,7 @@ static void second_thread_refused(void) {
   run_t run = {&a, st};
   pthread_t ranks; /* the ranks run on their own threads while this one intrudes */
   pthread_create(&ranks, NULL, race_ranks_main, &run);
-  while (!atomic_load(&a.rank0_calling)) nap(1);
+  while (!atomic_load(&a.rank0_calling)) tu_sleep_ms(1);
   intrude(&a);
   atomic_store(&a.release_rank1, 1);
   pthread_join(ranks, NULL);

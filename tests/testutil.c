@@ -766,3 +766,17 @@ int tu_world_usable(const char *what, tu_world_t *w, int E, int H, int K) {
   tu_handles_destroy(w, h);
   return rc;
 }
+
+void tu_refused_args(void *buf, int64_t cap, epx_dispatch_args_t *da, epx_combine_args_t *ca) {
+  epx_dispatch_args_init(da);
+  da->x_dtype = da->recv_dtype = EPX_FLOAT32;
+  da->x = buf, da->recv_x = buf, da->recv_capacity = cap;
+  epx_combine_args_init(ca);
+  ca->y_dtype = ca->out_dtype = EPX_FLOAT32;
+  ca->y = buf, ca->out = buf;
+}
+
+void tu_sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}

@@ -491,3 +491,26 @@ void *mp_dense_out(const mp_moe_t *m, int rank, epx_dtype_t recv_dtype, epx_dtyp
     if (r != rank) free(out[r]);
   return out[rank];
 }
+
+epx_routing_t mp_routing(const mp_moe_t *m, int rank) {
+  return (epx_routing_t){.num_tokens = m->T[rank], .idx_dtype = EPX_INT32, .topk_idx = m->idx[rank],
+                         .topk_weights = m->w[rank]};
+}
+
+int mp_comm_open(epx_world_t *world, int rank, const mp_moe_t *m, int max_tokens, int timeout_ms, const char *tag,
+                 epx_comm_t **comm, epx_handle_t **h) {
+  epx_config_t cfg;
+  epx_config_init(&cfg);
+  cfg.num_experts = m->E, cfg.hidden = m->H, cfg.topk = m->K, cfg.max_tokens_per_rank = max_tokens;
+  cfg.timeout_ms = timeout_ms;
+  epx_handle_config_t hc;
+  epx_handle_config_init(&hc);
+  *comm = NULL, *h = NULL;
+  return CHECK_STATUS(epx_comm_init(world, rank, &cfg, comm), EPX_SUCCESS, "%s comm", tag) &&
+         CHECK_STATUS(epx_handle_create(*comm, &hc, h), EPX_SUCCESS, "%s handle", tag);
+}
+
+void mp_sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}

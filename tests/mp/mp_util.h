@@ -124,6 +124,14 @@ void mp_moe_free(mp_moe_t *m);
 float mp_load(epx_dtype_t t, const void *base, size_t i);
 void mp_store(epx_dtype_t t, void *base, size_t i, float v);
 
+/* Rank `rank`'s routing of m (topk form, int32). */
+epx_routing_t mp_routing(const mp_moe_t *m, int rank);
+/* A comm of m's shape (max_tokens_per_rank, timeout_ms: 0 for the default) and a default
+ * handle on it, each CHECKed (named by tag); returns whether both were made. */
+int mp_comm_open(epx_world_t *world, int rank, const mp_moe_t *m, int max_tokens, int timeout_ms, const char *tag,
+                 epx_comm_t **comm, epx_handle_t **h);
+void mp_sleep_ms(long ms);
+
 /* The dense reference's output of rank `rank` (allocated). */
 void *mp_dense_out(const mp_moe_t *m, int rank, epx_dtype_t recv_dtype, epx_dtype_t y_dtype, epx_dtype_t out_dtype,
                    int expert_layout);

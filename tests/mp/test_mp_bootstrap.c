@@ -51,11 +51,6 @@
 #define ID_PORT 12
 #define ID_SECRET 20
 
-static void nap(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 static int tcp_connect(const epx_unique_id_t *id) {
   struct sockaddr_in a = {.sin_family = AF_INET};
   memcpy(&a.sin_addr.s_addr, id->internal + ID_ADDR, 4);
@@ -187,7 +182,7 @@ static void attacker(mp_ctx_t *ctx) {
       silent[next] = tcp_connect(&ctx->id);
     }
     nsquat = squat_unix(squat, nsquat, 256, seen);
-    nap(10);
+    mp_sleep_ms(10);
   }
   other_user_verdict(other);
   for (int i = 0; i < SILENT; i++)
@@ -216,7 +211,7 @@ static void expected_counts(const mp_moe_t *m, int d, int64_t *tokens, int64_t *
 
 static void rank_proc(mp_ctx_t *ctx) {
   const int me = ctx->proc;
-  nap(START_MS);
+  mp_sleep_ms(START_MS);
   epx_world_t *world = NULL;
   double t0 = mp_now();
   epx_status_t s = mp_world_create(ctx, R, me, &world);
@@ -224,18 +219,14 @@ static void rank_proc(mp_ctx_t *ctx) {
   if (!CHECK_STATUS(s, EPX_SUCCESS, "rank %d: world under attack", me)) return;
   CHECK(secs < FORM_S, "rank %d: the group took %.3f s to form under attack (bound %.1f s)", me, secs, FORM_S);
   printf("rank %d: formed in %.3f s\n", me, secs);
-  epx_config_t cfg;
-  epx_config_init(&cfg);
-  cfg.num_experts = R * L, cfg.hidden = H, cfg.topk = K, cfg.max_tokens_per_rank = MAXT;
-  epx_comm_t *comm = NULL;
-  epx_handle_t *h = NULL;
-  epx_handle_config_t hc;
-  epx_handle_config_init(&hc);
+  epx_comm_t *comm;
+  epx_handle_t *h;
   mp_moe_t m;
   mp_moe_make(&m, mp_seed, 5, R, R * L, H, K, EPX_BFLOAT16, MAXT);
-  if (CHECK_STATUS(epx_comm_init(world, me, &cfg, &comm), EPX_SUCCESS, "rank %d: comm", me) &&
-      CHECK_STATUS(epx_handle_create(comm, &hc, &h), EPX_SUCCESS, "rank %d: handle", me)) {
-    epx_routing_t rt = {.num_tokens = m.T[me], .idx_dtype = EPX_INT32, .topk_idx = m.idx[me], .topk_weights = m.w[me]};
+  char tag[32];
+  snprintf(tag, sizeof tag, "rank %d:", me);
+  if (mp_comm_open(world, me, &m, MAXT, 0, tag, &comm, &h)) {
+    epx_routing_t rt = mp_routing(&m, me);
     epx_handle_info_t info;
     int64_t tokens, pairs;
     expected_counts(&m, me, &tokens, &pairs);

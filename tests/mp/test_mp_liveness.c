@@ -36,26 +36,21 @@ typedef struct {
   int victim;
 } case_t;
 
-static void nap(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* Forks a child that keeps every inherited socket open for 1.5 s (quietly), then dies. */
 static void die_leaving_a_child(void) {
   pid_t c = fork();
   if (c == 0) {
     int null = open("/dev/null", O_WRONLY);
     if (null >= 0) dup2(null, 1), dup2(null, 2);
-    nap(1500);
+    mp_sleep_ms(1500);
     _exit(0);
   }
-  nap(50); /* the peers are waiting by now */
+  mp_sleep_ms(50); /* the peers are waiting by now */
   raise(SIGKILL);
 }
 
 static epx_status_t notify(epx_comm_t *comm, epx_handle_t *h, mp_moe_t *m, int me) {
-  epx_routing_t rt = {.num_tokens = m->T[me], .idx_dtype = EPX_INT32, .topk_idx = m->idx[me], .topk_weights = m->w[me]};
+  epx_routing_t rt = mp_routing(m, me);
   return epx_notify(comm, h, &rt);
 }
 
@@ -67,7 +62,7 @@ static void check_quiet(const char *tag, epx_comm_t *comm) {
 }
 
 static void *abort_later(void *p) {
-  nap(200);
+  mp_sleep_ms(200);
   CHECK_STATUS(epx_comm_abort((epx_comm_t *)p), EPX_SUCCESS, "rank 0: abort from the watchdog thread");
   return NULL;
 }
@@ -78,13 +73,13 @@ static void survivor(const case_t *c, const char *tag, epx_comm_t *comm, epx_han
   double t0 = mp_now();
   if (c->kind == CASE_ASYNC_LOST) {
     epx_status_t s;
-    while ((s = epx_comm_get_async_error(comm, &st)) == EPX_SUCCESS && mp_now() - t0 < 5) nap(10);
+    while ((s = epx_comm_get_async_error(comm, &st)) == EPX_SUCCESS && mp_now() - t0 < 5) mp_sleep_ms(10);
     double secs = mp_now() - t0;
     CHECK(s == EPX_ERR_PEER_LOST && st == s, "%s: async error %s / %s (%s)", tag, epx_status_string(s),
           epx_status_string(st), epx_last_error());
     CHECK(secs < 1.0, "%s: the loss showed after %.3f s", tag, secs);
     CHECK(mp_names_rank(epx_last_error(), c->victim), "%s: names rank %d: %s", tag, c->victim, epx_last_error());
-    nap(500); /* the other survivors query too before this one leaves */
+    mp_sleep_ms(500); /* the other survivors query too before this one leaves */
     return;
   }
   epx_status_t s = notify(comm, h, m, me);
@@ -107,17 +102,11 @@ static void rank_main(mp_ctx_t *ctx) {
   snprintf(tag, sizeof tag, "[%s, %s: rank %d]", mp_boot_name(ctx->boot), case_name[c->kind], me);
   epx_world_t *world = NULL;
   if (!CHECK_STATUS(mp_world_create(ctx, R, me, &world), EPX_SUCCESS, "%s world", tag)) return;
-  epx_config_t cfg;
-  epx_config_init(&cfg);
-  cfg.num_experts = R * L, cfg.hidden = H, cfg.topk = K, cfg.max_tokens_per_rank = MAXT, cfg.timeout_ms = TIMEOUT_MS;
-  epx_comm_t *comm = NULL;
-  epx_handle_t *h = NULL;
-  epx_handle_config_t hc;
-  epx_handle_config_init(&hc);
+  epx_comm_t *comm;
+  epx_handle_t *h;
   mp_moe_t m;
   mp_moe_make(&m, mp_seed, 7, R, R * L, H, K, EPX_BFLOAT16, MAXT);
-  if (CHECK_STATUS(epx_comm_init(world, me, &cfg, &comm), EPX_SUCCESS, "%s comm", tag) &&
-      CHECK_STATUS(epx_handle_create(comm, &hc, &h), EPX_SUCCESS, "%s handle", tag)) {
+  if (mp_comm_open(world, me, &m, MAXT, TIMEOUT_MS, tag, &comm, &h)) {
     CHECK_STATUS(notify(comm, h, &m, me), EPX_SUCCESS, "%s a good notify first", tag);
     check_quiet(tag, comm);
     if (me == c->victim && c->kind != CASE_ABORT) die_leaving_a_child();
