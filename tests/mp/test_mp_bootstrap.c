@@ -11,7 +11,8 @@
  *             secret is wrong fails with EPX_ERR_INVALID_ARGUMENT naming the secret, fast
  *   unix      connects, silently, to every epx unix socket it finds in /proc/net/unix
  *   other     a process of another user (when the test runs as root) connecting to the
- *             listener is dropped without even a challenge
+ *             listener is dropped without even a challenge; and a group whose ranks run as
+ *             two users (through the caller's allgather) fails on both ranks
  * Every rank must form the group within FORM_S (normally it takes well under a second; the
  * timeout is 20 s), agree on the plan of a notify (counts against an independent count), and
  * the attacker's connections must have got nothing but challenges and refusals. */
@@ -249,6 +250,22 @@ static void proc_main(mp_ctx_t *ctx) {
     rank_proc(ctx);
 }
 
+/* Two ranks through the caller's allgather, rank 1 running as another user: both fail with
+ * EPX_ERR_UNSUPPORTED naming the users (the allgather does not check who is on it; epx does). */
+static void mixed_users(mp_ctx_t *ctx) {
+  if (ctx->proc == 1 && (setgid(65534) != 0 || setuid(65534) != 0)) {
+    CHECK(0, "rank 1: could not become another user");
+    return;
+  }
+  epx_world_t *w = NULL;
+  double t0 = mp_now();
+  epx_status_t s = mp_world_create(ctx, 2, ctx->proc, &w);
+  CHECK_STATUS(s, EPX_ERR_UNSUPPORTED, "rank %d: a group of two users", ctx->proc);
+  CHECK(strstr(epx_last_error(), "user") != NULL && mp_now() - t0 < 5.0, "rank %d: says so at once (%.3f s): %s",
+        ctx->proc, mp_now() - t0, epx_last_error());
+  CHECK(w == NULL, "rank %d: no world", ctx->proc);
+}
+
 int main(void) {
   mp_begin("test_mp_bootstrap");
   setenv("EPX_TIMEOUT_MS", "20000", 1);
@@ -257,5 +274,9 @@ int main(void) {
   double t0 = mp_now();
   mp_launch(&l, proc_main, NULL);
   printf("%.2f s\n", mp_now() - t0);
+  if (geteuid() == 0) { /* becoming another user needs root */
+    mp_launch_t l2 = {.nprocs = 2, .boot = MP_BOOT_CALLBACK, .limit_s = 60};
+    mp_launch(&l2, mixed_users, NULL);
+  }
   return mp_end();
 }
