@@ -7,7 +7,8 @@
  *               still runs a pipeline checked against the dense reference
  *   busy        a world with live comms, a comm with live handles: EPX_ERR_BUSY with a
  *               message that says what is live; the objects stay usable
- *   messages    "" after each successful call, also right after a failed one
+ *   messages    "" after each successful call, also right after a failed one (the object
+ *               calls, the routing conversions, epx_backend_available)
  * The freed pointers are only compared, never read: ASan runs this test too. */
 #include <stdlib.h>
 #include <string.h>
@@ -147,9 +148,28 @@ static void after_destroy(void) {
   tu_world_destroy(&w);
 }
 
+/* The calls outside a comm: a success right after a failure leaves no message behind. */
+static void messages_cleared(void) {
+  int32_t idx[K];
+  float w[K], probs[E];
+  uint8_t map[E] = {0};
+  map[1] = map[4] = 1;
+  CHECK_STATUS(epx_map_to_topk(1, E, 0, map, NULL, idx, w), EPX_ERR_TOPK_RANGE, "a failing call first");
+  CHECK(epx_map_to_topk(1, E, K, map, NULL, idx, w) == EPX_SUCCESS && idx[0] == 1 && idx[1] == 4, "map_to_topk");
+  expect_empty_error("epx_map_to_topk");
+  CHECK_STATUS(epx_map_to_topk(1, E, 0, map, NULL, idx, w), EPX_ERR_TOPK_RANGE, "a failing call first");
+  memset(map, 0, sizeof map);
+  CHECK(epx_topk_to_map(1, E, K, EPX_INT32, idx, w, map, probs) == EPX_SUCCESS && map[1] && map[4], "topk_to_map");
+  expect_empty_error("epx_topk_to_map");
+  CHECK_STATUS(epx_map_to_topk(1, E, 0, map, NULL, idx, w), EPX_ERR_TOPK_RANGE, "a failing call first");
+  CHECK_STATUS(epx_backend_available(EPX_BACKEND_HOST), EPX_SUCCESS, "host backend");
+  expect_empty_error("epx_backend_available");
+}
+
 int main(void) {
   tu_begin("test_lifecycle");
   busy();
   after_destroy();
+  messages_cleared();
   return tu_end();
 }

@@ -20,6 +20,7 @@ const char *epx_backend_name(epx_backend_t backend) {
 }
 
 epx_status_t epx_backend_available(epx_backend_t backend) {
+  epxi_clear_error();
   switch (backend) {
     case EPX_BACKEND_HOST: return EPX_SUCCESS;
     case EPX_BACKEND_CUDA:

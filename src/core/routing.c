@@ -24,6 +24,7 @@ static epx_status_t check_topk_row(int64_t t, const int32_t *row, int topk, int 
 
 epx_status_t epx_map_to_topk(int64_t num_tokens, int num_experts, int topk, const uint8_t *routing_map,
                              const float *probs, int32_t *topk_idx, float *topk_weights) {
+  epxi_clear_error();
   if (num_tokens < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld < 0", (long long)num_tokens);
   if (topk < 1 || topk > EPX_MAX_TOPK)
     return epxi_fail(EPX_ERR_TOPK_RANGE, "topk %d outside [1, %d]", topk, EPX_MAX_TOPK);
@@ -52,6 +53,7 @@ epx_status_t epx_map_to_topk(int64_t num_tokens, int num_experts, int topk, cons
 
 epx_status_t epx_topk_to_map(int64_t num_tokens, int num_experts, int topk, epx_dtype_t idx_dtype,
                              const void *topk_idx, const float *topk_weights, uint8_t *routing_map, float *probs) {
+  epxi_clear_error();
   if (num_tokens < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld < 0", (long long)num_tokens);
   if (topk < 1 || topk > EPX_MAX_TOPK)
     return epxi_fail(EPX_ERR_TOPK_RANGE, "topk %d outside [1, %d]", topk, EPX_MAX_TOPK);
