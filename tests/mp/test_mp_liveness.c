@@ -93,6 +93,9 @@ static void survivor(const case_t *c, const char *tag, epx_comm_t *comm, epx_han
   if (c->kind == CASE_ABORT) CHECK(strstr(msg, "abort") != NULL, "%s: names the abort: %s", tag, msg);
   CHECK(epx_comm_get_async_error(comm, &st) == want && st == want, "%s: async error afterwards %s", tag,
         epx_status_string(st));
+  t0 = mp_now();
+  CHECK_STATUS(notify(comm, h, m, me), EPX_ERR_BROKEN, "%s: a later call on the broken group", tag);
+  CHECK(mp_now() - t0 < 0.5, "%s: ... fails at once (%.3f s)", tag, mp_now() - t0);
 }
 
 static void rank_main(mp_ctx_t *ctx) {
