@@ -249,6 +249,8 @@ _FUNCTIONS = {
     "epx_comm_config": (POINTER(Config), [_P]),
     "epx_comm_set_stream": (c_enum, [_P, _P]),
     "epx_comm_synchronize": (c_enum, [_P]),
+    "epx_comm_abort": (c_enum, [_P]),
+    "epx_comm_get_async_error": (c_enum, [_P, POINTER(c_enum)]),
     "epx_run_ranks": (c_enum, [c_int, RANK_FN, _P, POINTER(c_enum)]),
     "epx_map_to_topk": (c_enum, [c_int64, c_int, c_int, _P, _P, _P, _P]),
     "epx_topk_to_map": (c_enum, [c_int64, c_int, c_int, c_enum, _P, _P, _P, _P]),
@@ -267,7 +269,7 @@ _FUNCTIONS = {
 # Declared in epx.h but possibly missing from an older or partial build: bound when present,
 # else calling them raises an UnsupportedError (see core.py).
 OPTIONAL = frozenset({"epx_get_unique_id", "epx_world_create_rank", "epx_world_create_rank_with",
-                      "epx_comm_synchronize"})
+                      "epx_comm_synchronize", "epx_comm_abort", "epx_comm_get_async_error"})
 
 _LIB_NAMES = ("libepx.so", "libepx.dylib")
 
