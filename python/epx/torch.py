@@ -38,22 +38,14 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from .core import (
-    Comm,
-    DispatchResult,
-    DType,
-    Handle,
-    Status,
-    TopkRangeError,
-    UnsupportedError,
-    World,
-    _Frontend,
-    _arg_error,
-    _dtype_codes,
-    _dtype_error,
-    _parse_algo,
-    _shape_error,
-)
+from ._lib import DType, Status
+from .comm import Comm
+from .config import _parse_algo
+from .errors import DeviceError, TopkRangeError, UnsupportedError, _arg_error, _dtype_error, _shape_error
+from .frontend import _Frontend, _dtype_codes
+from .handle import Handle
+from .results import DispatchResult
+from .world import World
 
 __all__ = [
     "dispatch", "combine", "DispatchFunction", "CombineFunction", "FlexTokenDispatcher", "map_to_topk",
@@ -61,7 +53,7 @@ __all__ = [
 ]
 
 # =============================================================================================
-# The torch frontend of epx.core (same interface as core._NumpyFrontend)
+# The torch frontend (same interface as epx.numpy_frontend._NumpyFrontend)
 # =============================================================================================
 
 _TORCH_OF = {
@@ -163,7 +155,6 @@ class _TorchFrontend(_Frontend):
             yield
             return
         if comm.world.shares_device(comm.rank):
-            from .core import DeviceError, Status
             raise DeviceError(Status.INVALID_ARGUMENT,
                               f"rank {comm.rank} shares {device} with other ranks of this process but runs on "
                               "torch's default stream, which would queue the ranks behind each other: run the "
