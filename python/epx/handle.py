@@ -8,7 +8,8 @@ anything reaches C, and every failure raises an :class:`Error` subclass.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import numpy as np
 
@@ -164,16 +165,34 @@ class Handle(_Owned):
         channels). ``scale_by_probs`` (expert layout): multiply each row by its weight.
         """
         fe = _frontend_of(x, topk_idx, routing_map)
-        c = self.comm
-        H, K, L = c.hidden, c.topk, c.num_local_experts
         replay = topk_idx is None and routing_map is None
+        x, x_code, r_code, dev = self._dispatch_input(fe, x, replay, topk_weights, probs, recv_dtype, scale_by_probs)
+        routing, keep, T = None, None, self._num_tokens
+        if not replay:
+            routing, keep, T = _routing(fe, self.comm, topk_idx, topk_weights, routing_map, probs)
+        if fe.shape(x)[0] != T:
+            what = "the routing" if not replay else "the handle's last plan"
+            _shape_error(f"x has {fe.shape(x)[0]} rows but {what} has {T} tokens")
+        if recv_x is not None:
+            out = self._given_recv_x(fe, recv_x, r_code)
+        else:
+            routing, out = self._sized_recv_x(fe, dev, routing, T, r_code, like=x)
+        self._recv_scales(fe, out, recv_scales, r_code, dev)
+        self._side_outputs(fe, out, dev)
+        self._dispatch_call(fe, dev, routing, T, x, x_code, r_code, out, scale_by_probs)
+        del keep
+        return self._dispatch_result(fe, out, r_code)
+
+    # -- the steps of a dispatch ---------------------------------------------------------------
+    def _dispatch_input(self, fe, x, replay, topk_weights, probs, recv_dtype, scale_by_probs):
+        """Checks what a dispatch sends: returns (x, its dtype, the receive dtype, x's device)."""
+        H = self.comm.hidden
         if replay and (topk_weights is not None or probs is not None):
             _arg_error("weights or probs without topk_idx / routing_map")
         if replay and not self.planned:
             _arg_error("the handle has no plan yet: pass a routing (topk_idx or routing_map) or call notify()")
-
         x, x_code = _input(fe, x, "x", (DType.FLOAT32, DType.BFLOAT16), 2)
-        dev = _device_check(fe, c, x, "x")
+        dev = _device_check(fe, self.comm, x, "x")
         if fe.shape(x)[1] != H:
             _shape_error(f"x has hidden size {fe.shape(x)[1]} but the comm's hidden is {H}")
         if recv_dtype is None:
@@ -184,93 +203,111 @@ class Handle(_Owned):
                 _dtype_error(f"recv_dtype must be x's type ({x_code.name.lower()}) or fp8, not {r_code.name.lower()}")
         if scale_by_probs and self._layout == _LayoutKind.TOKEN:
             _arg_error("scale_by_probs needs the expert layout (or low-latency)")
+        return x, x_code, r_code, dev
 
-        routing = None
-        keep = None
-        if replay:
-            T = self._num_tokens
-        else:
-            routing, keep, T = _routing(fe, c, topk_idx, topk_weights, routing_map, probs)
-        if fe.shape(x)[0] != T:
-            what = "the routing" if not replay else "the handle's last plan"
-            _shape_error(f"x has {fe.shape(x)[0]} rows but {what} has {T} tokens")
-
-        lib = _lib.load()
+    def _given_recv_x(self, fe, recv_x, r_code) -> "_DispatchOutputs":
+        """The caller's receive buffer: its first dimension is the capacity (low-latency: the
+        fixed [L, R*M, H], or flat [L*R*M, H])."""
+        c = self.comm
+        H, L = c.hidden, c.num_local_experts
         ll = self._algo == Algo.LL
-        blocks = (H + _lib.FP8_BLOCK - 1) // _lib.FP8_BLOCK
-        rows_known = None
-        if recv_x is not None:
-            if ll:
-                want = (L, self.ll_rows, H)
-                if tuple(fe.shape(recv_x)) == (L * self.ll_rows, H):
-                    want = (L * self.ll_rows, H)
-            else:
-                s = fe.shape(recv_x)
-                if len(s) != 2 or s[1] != H:
-                    _shape_error(f"recv_x must be [capacity, {H}], got {tuple(s)}")
-                want = s
-            _output(fe, recv_x, "recv_x", want, (r_code,))
-            _device_check(fe, c, recv_x, "recv_x")
-            cap = L * self.ll_rows if ll else fe.shape(recv_x)[0]
+        if ll:
+            want = (L, self.ll_rows, H)
+            if tuple(fe.shape(recv_x)) == (L * self.ll_rows, H):
+                want = (L * self.ll_rows, H)
         else:
-            if ll:
-                cap = L * self.ll_rows
+            s = fe.shape(recv_x)
+            if len(s) != 2 or s[1] != H:
+                _shape_error(f"recv_x must be [capacity, {H}], got {tuple(s)}")
+            want = s
+        _output(fe, recv_x, "recv_x", want, (r_code,))
+        _device_check(fe, c, recv_x, "recv_x")
+        cap = L * self.ll_rows if ll else fe.shape(recv_x)[0]
+        return _DispatchOutputs(recv_x=recv_x, cap=cap, rows_known=None)
+
+    def _sized_recv_x(self, fe, dev, routing, T, r_code, like):
+        """Allocates the receive buffer. Exact sizes where the host can know them: plan first
+        (the CPU backend always knows the counts; CUDA in exact mode waits for them), then size
+        the outputs. CUDA sync-free: one call, outputs sized for the worst case of the config.
+        Returns (the routing still to plan, or None when planned here; the outputs)."""
+        c = self.comm
+        H, L = c.hidden, c.num_local_experts
+        rows_known = None
+        if self._algo == Algo.LL:
+            cap = L * self.ll_rows
+            shape = (L, self.ll_rows, H)
+        else:
+            if routing is not None and (self._exact or c.backend == "host"):
+                self._num_tokens = None
+                with fe.on_stream(c, dev):
+                    st = _lib.load().epx_notify(c._p(), self._p(), ctypes.byref(routing))
+                _check(st, "epx_notify")
+                self._planned(T)
+                routing = None
+            cap = self._host_rows() if routing is None else None
+            if cap is None:
+                cap = self._bound_rows()
             else:
-                # Exact sizes where the host can know them: plan first (the CPU backend always
-                # knows the counts; CUDA in exact mode waits for them), then size the outputs.
-                # CUDA sync-free: one call, outputs sized for the worst case of the config.
-                exact = self._exact or c.backend == "host"
-                if routing is not None and exact:
-                    self._num_tokens = None
-                    with fe.on_stream(c, dev):
-                        st = lib.epx_notify(c._p(), self._p(), ctypes.byref(routing))
-                    _check(st, "epx_notify")
-                    self._planned(T)
-                    routing = None
-                cap = self._host_rows() if routing is None else None
-                if cap is None:
-                    cap = self._bound_rows()
-                else:
-                    rows_known = cap
-            shape = (L, self.ll_rows, H) if ll else (cap, H)
-            recv_x = fe.alloc(shape, r_code, like=x, device=dev, zero=True)
-        lead = (L, self.ll_rows) if ll else (cap,)
+                rows_known = cap
+            shape = (cap, H)
+        recv_x = fe.alloc(shape, r_code, like=like, device=dev, zero=True)
+        return routing, _DispatchOutputs(recv_x=recv_x, cap=cap, rows_known=rows_known)
+
+    def _lead(self, cap) -> tuple:
+        """The leading dimensions of per-row outputs (low-latency: [L, R*M])."""
+        return (self.comm.num_local_experts, self.ll_rows) if self._algo == Algo.LL else (cap,)
+
+    def _recv_scales(self, fe, out, recv_scales, r_code, dev) -> None:
+        """fp8: the float32 scale per 128-channel block of each row, given or allocated."""
+        blocks = (self.comm.hidden + _lib.FP8_BLOCK - 1) // _lib.FP8_BLOCK
+        lead = self._lead(out.cap)
         if r_code == DType.FP8_E4M3:
             if recv_scales is None:
                 recv_scales = fe.alloc(lead + (blocks,), DType.FLOAT32, device=dev, zero=True)
             else:
-                ok = (tuple(fe.shape(recv_scales)) in (lead + (blocks,), (cap, blocks)))
+                ok = (tuple(fe.shape(recv_scales)) in (lead + (blocks,), (out.cap, blocks)))
                 if not ok:
                     _shape_error(f"recv_scales has shape {tuple(fe.shape(recv_scales))}, expected {lead + (blocks,)}")
                 _output(fe, recv_scales, "recv_scales", None, (DType.FLOAT32,))
-                _device_check(fe, c, recv_scales, "recv_scales")
+                _device_check(fe, self.comm, recv_scales, "recv_scales")
+            out.recv_scales = recv_scales
         elif recv_scales is not None:
             _arg_error("recv_scales is for fp8 dispatch only")
 
-        token = self._layout == _LayoutKind.TOKEN
-        # rows past the received count (unknown on the host in sync-free mode) read as "no
-        # expert" rather than as garbage ids
-        rtopk = fe.alloc((cap, K), DType.INT32, device=dev, zero=False) if token else None
-        if rtopk is not None and rows_known is None:
-            rtopk[...] = -1
-        rw = fe.alloc((cap, K), DType.FLOAT32, device=dev, zero=rows_known is None) if token else None
-        rprobs = None if token else fe.alloc(lead, DType.FLOAT32, device=dev, zero=True)
-        counts = fe.alloc((L,), DType.INT32, device=dev, zero=True)
-        nrows = fe.alloc((1,), DType.INT64, device=dev, zero=True)
+    def _side_outputs(self, fe, out, dev) -> None:
+        """The per-row outputs besides the rows: top-k ids and weights (token layout) or each
+        row's weight (expert layout), the counts per local expert and the rows written."""
+        K, L = self.comm.topk, self.comm.num_local_experts
+        cap, unknown = out.cap, out.rows_known is None
+        if self._layout == _LayoutKind.TOKEN:
+            # rows past the received count (unknown on the host in sync-free mode) read as "no
+            # expert" rather than as garbage ids
+            out.topk_idx = fe.alloc((cap, K), DType.INT32, device=dev, zero=False)
+            if unknown:
+                out.topk_idx[...] = -1
+            out.topk_weights = fe.alloc((cap, K), DType.FLOAT32, device=dev, zero=unknown)
+        else:
+            out.probs = fe.alloc(self._lead(cap), DType.FLOAT32, device=dev, zero=True)
+        out.counts = fe.alloc((L,), DType.INT32, device=dev, zero=True)
+        out.nrows = fe.alloc((1,), DType.INT64, device=dev, zero=True)
 
+    def _dispatch_call(self, fe, dev, routing, T, x, x_code, r_code, out, scale_by_probs) -> None:
+        """epx_dispatch itself (planning first when ``routing`` is given)."""
+        lib = _lib.load()
+        c = self.comm
         a = _lib.DispatchArgs()
         lib.epx_dispatch_args_init(ctypes.byref(a))
         a.x = fe.ptr(x)
         a.x_dtype = int(x_code)
         a.recv_dtype = int(r_code)
-        a.recv_x = fe.ptr(recv_x)
-        a.recv_scales = fe.ptr(recv_scales) if recv_scales is not None else None
-        a.recv_capacity = int(cap)
-        a.recv_topk_idx = fe.ptr(rtopk) if token else None
-        a.recv_topk_weights = fe.ptr(rw) if token else None
-        a.recv_probs = fe.ptr(rprobs) if rprobs is not None else None
-        a.tokens_per_local_expert = fe.ptr(counts)
-        a.num_recv_rows = fe.ptr(nrows)
+        a.recv_x = fe.ptr(out.recv_x)
+        a.recv_scales = fe.ptr(out.recv_scales) if out.recv_scales is not None else None
+        a.recv_capacity = int(out.cap)
+        a.recv_topk_idx = fe.ptr(out.topk_idx) if out.topk_idx is not None else None
+        a.recv_topk_weights = fe.ptr(out.topk_weights) if out.topk_weights is not None else None
+        a.recv_probs = fe.ptr(out.probs) if out.probs is not None else None
+        a.tokens_per_local_expert = fe.ptr(out.counts)
+        a.num_recv_rows = fe.ptr(out.nrows)
         a.scale_by_probs = 1 if scale_by_probs else 0
         if routing is not None:
             self._num_tokens = None
@@ -281,24 +318,27 @@ class Handle(_Owned):
         if routing is not None and st in (Status.SUCCESS, Status.OUTPUT_TOO_SMALL):
             self._planned(T)  # (too small: the plan stands, only this output could not take it)
         _check(st, "epx_dispatch")
-        del keep
 
-        written = fe.host_int(nrows)  # None where only the device knows (CUDA tensors)
+    def _dispatch_result(self, fe, out, r_code) -> DispatchResult:
+        """The outputs as a DispatchResult, cut to the rows written where the host knows them."""
+        ll = self._algo == Algo.LL
+        rows_known = out.rows_known
+        written = fe.host_int(out.nrows)  # None where only the device knows (CUDA tensors)
         if not ll and written is not None:
             rows_known = written
-        self._rows = L * self.ll_rows if ll else rows_known
-        res = DispatchResult(recv_x=recv_x, recv_scales=recv_scales if r_code == DType.FP8_E4M3 else None,
-                             recv_topk_idx=rtopk, recv_topk_weights=rw, recv_probs=rprobs,
-                             tokens_per_local_expert=counts, num_rows=written if ll else rows_known,
+        self._rows = self.comm.num_local_experts * self.ll_rows if ll else rows_known
+        res = DispatchResult(recv_x=out.recv_x, recv_scales=out.recv_scales if r_code == DType.FP8_E4M3 else None,
+                             recv_topk_idx=out.topk_idx, recv_topk_weights=out.topk_weights, recv_probs=out.probs,
+                             tokens_per_local_expert=out.counts, num_rows=written if ll else rows_known,
                              layout=self.layout, algo=self.algo, align=self._align)
-        if rows_known is not None and not ll and rows_known < cap:
+        if rows_known is not None and not ll and rows_known < out.cap:
             # The caller's buffer had room to spare: hand back the rows that were written.
             for f in ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_probs"):
                 v = getattr(res, f)
                 if v is not None:
                     setattr(res, f, fe.slice_rows(v, rows_known))
-        res._num_recv_rows_buf = nrows
-        self._last_counts = counts  # (low-latency backward masks rows past the counts)
+        res._num_recv_rows_buf = out.nrows
+        self._last_counts = out.counts  # (low-latency backward masks rows past the counts)
         return res
 
     # -- combine -----------------------------------------------------------------------------
@@ -390,3 +430,18 @@ class Handle(_Owned):
     def __repr__(self):
         return (f"<epx.Handle {self.algo} {self.layout} align={self._align} rank {self.comm.rank}"
                 f"{' planned T=' + str(self._num_tokens) if self.planned else ''}>")
+
+
+@dataclasses.dataclass
+class _DispatchOutputs:
+    """The outputs of one dispatch call, as epx_dispatch takes them."""
+
+    recv_x: Any
+    cap: int  # recv_capacity: rows recv_x holds
+    rows_known: Optional[int]  # rows that arrive, when the host knows them before the call
+    recv_scales: Any = None
+    topk_idx: Any = None
+    topk_weights: Any = None
+    probs: Any = None
+    counts: Any = None
+    nrows: Any = None
