@@ -12,7 +12,6 @@ made it before any exchange; its peers then stop at their bounded wait with
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
 import weakref
@@ -242,8 +241,7 @@ class World(_Owned):
         devices = getattr(self, "_devices", None)
         if devices is not None and devices[rank] >= 0:
             return int(devices[rank])
-        import torch  # the CUDA backend from Python means torch tensors
-        return rank % max(torch.cuda.device_count(), 1)
+        return rank % max(_cuda_layer().device_count(), 1)  # as libepx places them
 
     def shares_device(self, rank: int) -> bool:
         """True when another rank of this process runs on the same GPU."""
@@ -259,60 +257,15 @@ class World(_Owned):
         CUDA: each rank thread runs with its device and a torch stream current: ``streams[i]``
         for the i-th rank this process drives (torch's legacy default stream is allowed), else
         one the world keeps per rank. Ranks that share a GPU must not make torch allocate on
-        other streams inside a collective (see _prepare_torch)."""
+        other streams inside a collective (see epx.torch.streams.prepare)."""
         ranks = list(self._ranks)
         if self.backend == "cuda":
-            fn = self._on_streams(fn, streams)
+            fn = _cuda_layer().on_rank_streams(self, fn, streams)
         elif streams is not None:
             raise ValueError("World.run: streams are for a CUDA world")
         if len(ranks) == 1:
             return [fn(ranks[0], *args, **kwargs)]
         return run_threads(ranks, fn, *args, **kwargs)
-
-    def _on_streams(self, fn, streams):
-        """Each rank thread gets its device and its stream: ranks that shared one stream would
-        queue behind each other's kernels, which wait on each other. Where ranks share a GPU,
-        torch's first-use work is done on each stream first (see _prepare_torch), every rank's
-        before any rank runs ``fn``."""
-        import torch
-
-        ranks = list(self._ranks)
-        if streams is None:
-            kept = self.__dict__.setdefault("_torch_streams", {})
-            for r in ranks:
-                if r not in kept:
-                    kept[r] = torch.cuda.Stream(torch.device("cuda", self.device_of(r)))
-            streams = [kept[r] for r in ranks]
-        elif len(streams) != len(ranks):
-            raise ValueError(f"World.run: {len(streams)} streams for the {len(ranks)} ranks this process drives")
-        stream_of = dict(zip(ranks, streams))
-        prepared = self.__dict__.setdefault("_torch_prepared", set())  # stream handles; torch caches per stream
-        todo = [r for r in ranks if self.shares_device(r) and stream_of[r].cuda_stream not in prepared]
-        ready = threading.Barrier(len(ranks)) if todo and len(ranks) > 1 else None
-
-        try:  # the bound of every wait, as libepx reads it
-            wait_s = int(os.environ.get("EPX_TIMEOUT_MS") or 30000) / 1000.0
-        except ValueError:
-            wait_s = 30.0
-
-        def body(rank, *args, **kwargs):
-            dev = torch.device("cuda", self.device_of(rank))
-            stream = stream_of[rank]
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
-                try:
-                    if rank in todo:
-                        _prepare_torch(dev, stream)
-                        prepared.add(stream.cuda_stream)
-                    if ready is not None:
-                        ready.wait(wait_s)
-                except threading.BrokenBarrierError:
-                    raise
-                except BaseException:
-                    if ready is not None:
-                        ready.abort()  # the other ranks stop waiting for this one
-                    raise
-                return fn(rank, *args, **kwargs)
-        return body
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -332,38 +285,13 @@ class World(_Owned):
         return f"<epx.World {state}>"
 
 
-def _prepare_torch(dev, stream) -> None:
-    """Does torch's first-use work for this rank before its first collective, while no rank is
-    inside one: fills torch's caching allocator for the rank's stream, and runs one backward
-    pass there.
-    CUDA serialises streams around a device memory allocation (cudaMalloc is one of the
-    "implicit synchronization" operations of the CUDA programming guide): work issued after it
-    does not start until work issued before it finishes. When ranks share a GPU, a peer's
-    kernel issued before it may be waiting for this rank's, issued after: the group stalls
-    until the timeout. torch calls cudaMalloc whenever its cache for a stream runs short, so
-    each rank's cache is filled here, once per stream (torch caches per stream: memory on a
-    stream not prepared here comes from cudaMalloc), while no rank is inside a collective. Size:
-    EPX_TORCH_RESERVE_MB (default 128) in one large block and a sixteenth of it in small ones.
-    The backward pass starts torch's autograd thread for the GPU: a model's first backward,
-    run while peers were inside a collective, stalled the group until the timeout on an H200
-    (the step inside torch that does it was not isolated; done here, it is out of the way).
-    A copy each way between pageable host memory and the GPU makes the driver set up its
-    pinned staging memory now: a page-locked allocation is an implicit synchronization too."""
-    import torch
+def _cuda_layer():
+    """The CUDA side of a world driven from Python (rank threads' devices and streams, the GPU
+    count): :mod:`epx.torch.streams`, since CUDA arrays from Python are torch tensors. Imported
+    on first use, so that numpy users never import torch."""
+    from .torch import streams
 
-    mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
-    if mb > 0:
-        try:
-            big = torch.empty(mb << 20, dtype=torch.uint8, device=dev)
-            small = [torch.empty(1 << 20, dtype=torch.uint8, device=dev) for _ in range(max(mb // 16, 1))]
-        except torch.cuda.OutOfMemoryError as e:
-            _raise(Status.OUT_OF_MEMORY, f"reserving torch memory for a rank that shares {dev} ({mb} MiB, "
-                                         f"EPX_TORCH_RESERVE_MB; 0 reserves none): {e}")
-        del big, small
-    w = torch.ones(8, device=dev, requires_grad=True)
-    (w * 2).sum().backward()
-    torch.ones(1 << 20, dtype=torch.uint8).to(dev).cpu()
-    stream.synchronize()
+    return streams
 
 
 def run_threads(ranks: Sequence[int], fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
