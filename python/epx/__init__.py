@@ -21,18 +21,6 @@ Errors raise :class:`epx.Error` subclasses (see its docstring for the table), ea
 ``.status`` (a :class:`Status`: an int with a name) and ``.message``.
 """
 
-import os as _os
-
-# Ranks that share a GPU run kernels that wait on each other: no rank's stream may queue behind
-# another's in one hardware queue, so ask CUDA for as many queues as it has (the default is 8).
-# This takes effect only if CUDA has not started in this process yet (import epx before any CUDA
-# work); a value the user set is kept. libepx does the same when it starts CUDA itself.
-_os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-# Lazy module loading (torch asks for it when it starts CUDA) can make a kernel's first launch
-# wait for the device to go idle, which never happens while peer ranks' kernels wait on this
-# one: load eagerly unless the user chose.
-_os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
 from ._lib import Algo, Backend, DType, Layout as LayoutKind, Status, MAX_EXPERTS, MAX_HIDDEN, MAX_RANKS, MAX_TOPK
 from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound
 from .comm import Comm

@@ -23,6 +23,7 @@ from . import _lib
 from ._lib import Backend, Status
 from .config import Config, _parse_backend
 from .errors import _arg_error, _check, _raise, _shape_error, error_class
+from .gpu import cuda_layer, prepare_shared_gpu
 
 if TYPE_CHECKING:
     from .comm import Comm
@@ -69,6 +70,7 @@ class World(_Owned):
         if not isinstance(nranks, (int, np.integer)) or isinstance(nranks, bool):
             _arg_error(f"nranks must be an int, got {nranks!r}")
         self._devices = list(devices) if devices is not None else None
+        prepare_shared_gpu(int(nranks), _parse_backend(backend), self._devices)  # before CUDA starts
         wc, keep = self._world_config(int(nranks), backend, devices)
         p = ctypes.c_void_p()
         _check(lib.epx_world_create(ctypes.byref(wc), ctypes.byref(p)), "epx_world_create")
@@ -241,7 +243,7 @@ class World(_Owned):
         devices = getattr(self, "_devices", None)
         if devices is not None and devices[rank] >= 0:
             return int(devices[rank])
-        return rank % max(_cuda_layer().device_count(), 1)  # as libepx places them
+        return rank % max(cuda_layer().device_count(), 1)  # as libepx places them
 
     def shares_device(self, rank: int) -> bool:
         """True when another rank of this process runs on the same GPU."""
@@ -260,7 +262,7 @@ class World(_Owned):
         other streams inside a collective (see epx.torch.streams.prepare)."""
         ranks = list(self._ranks)
         if self.backend == "cuda":
-            fn = _cuda_layer().on_rank_streams(self, fn, streams)
+            fn = cuda_layer().on_rank_streams(self, fn, streams)
         elif streams is not None:
             raise ValueError("World.run: streams are for a CUDA world")
         if len(ranks) == 1:
@@ -283,15 +285,6 @@ class World(_Owned):
     def __repr__(self):
         state = "closed" if self._ptr is None else f"{self.backend}, {self._nranks} ranks, driving {self._ranks}"
         return f"<epx.World {state}>"
-
-
-def _cuda_layer():
-    """The CUDA side of a world driven from Python (rank threads' devices and streams, the GPU
-    count): :mod:`epx.torch.streams`, since CUDA arrays from Python are torch tensors. Imported
-    on first use, so that numpy users never import torch."""
-    from .torch import streams
-
-    return streams
 
 
 def run_threads(ranks: Sequence[int], fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
