@@ -55,20 +55,21 @@ _ALGOS = {"ht": Algo.HT, "high_throughput": Algo.HT, "ll": Algo.LL, "low_latency
 _LAYOUTS = {"token": _LayoutKind.TOKEN, "expert": _LayoutKind.EXPERT}
 
 
+def _parse_name(v, kind, names, what: str, choices: str):
+    """``v`` as a ``kind`` enum: itself, or the value its name (any case) stands for in ``names``."""
+    if isinstance(v, kind):
+        return v
+    if isinstance(v, str) and v.lower() in names:
+        return names[v.lower()]
+    _arg_error(f"unknown {what} {v!r}: use {choices}")
+
+
 def _parse_algo(a) -> Algo:
-    if isinstance(a, Algo):
-        return a
-    if isinstance(a, str) and a.lower() in _ALGOS:
-        return _ALGOS[a.lower()]
-    _arg_error(f"unknown algorithm {a!r}: use 'ht', 'll' or 'alltoall'")
+    return _parse_name(a, Algo, _ALGOS, "algorithm", "'ht', 'll' or 'alltoall'")
 
 
 def _parse_layout(x) -> _LayoutKind:
-    if isinstance(x, _LayoutKind):
-        return x
-    if isinstance(x, str) and x.lower() in _LAYOUTS:
-        return _LAYOUTS[x.lower()]
-    _arg_error(f"unknown layout {x!r}: use 'token' or 'expert'")
+    return _parse_name(x, _LayoutKind, _LAYOUTS, "layout", "'token' or 'expert'")
 
 
 @dataclasses.dataclass

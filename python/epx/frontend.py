@@ -18,8 +18,27 @@ def _dtype_codes(d, table) -> Tuple[DType, ...]:
 
 
 class _Frontend:
-    """How the package handles one kind of array (numpy here, torch in epx.torch): what both
-    kinds do alike."""
+    """How the package handles one kind of array (numpy in epx.numpy_frontend, torch in
+    epx.torch.frontend): what both kinds do alike."""
+
+    name = ""
+    array_type: type = object  # the arrays it handles
+    code_table: tuple = ()  # (dtype, the epx dtypes it may stand for) pairs
+
+    def is_array(self, a) -> bool:
+        return isinstance(a, self.array_type)
+
+    def codes(self, a) -> Tuple[DType, ...]:
+        """The epx dtypes an array may stand for (uint8 is a bool map or fp8 bits)."""
+        return _dtype_codes(a.dtype, self.code_table)
+
+    @staticmethod
+    def dtype_name(a) -> str:
+        return str(a.dtype)
+
+    @staticmethod
+    def shape(a) -> tuple:
+        return tuple(a.shape)
 
     @staticmethod
     def reshape(a, shape):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
 from ._lib import DType
 from .dtypes import _NP_BF16, _NP_FP8
-from .frontend import _Frontend, _dtype_codes
+from .frontend import _Frontend
 
 
 # uint8 is a bool map or fp8 bits; uint16 holds bf16 bits where numpy has no bfloat16
@@ -20,27 +20,12 @@ _NUMPY_CODES = [(np.float32, (DType.FLOAT32,)), (np.uint16, (DType.BFLOAT16,)), 
 
 class _NumpyFrontend(_Frontend):
     name = "numpy"
-
-    @staticmethod
-    def is_array(a) -> bool:
-        return isinstance(a, np.ndarray)
-
-    @staticmethod
-    def codes(a) -> Tuple[DType, ...]:
-        """The epx dtypes an array may stand for (uint8 is a bool map or fp8 bits)."""
-        return _dtype_codes(a.dtype, _NUMPY_CODES)
-
-    @staticmethod
-    def dtype_name(a) -> str:
-        return str(a.dtype)
+    array_type = np.ndarray
+    code_table = _NUMPY_CODES
 
     @staticmethod
     def device(a) -> str:
         return "cpu"
-
-    @staticmethod
-    def shape(a) -> tuple:
-        return tuple(a.shape)
 
     @staticmethod
     def ptr(a) -> Optional[int]:

@@ -22,11 +22,7 @@ def map_to_topk(routing_map, probs=None, *, topk: int) -> Tuple[np.ndarray, np.n
     ``topk`` experts raises :class:`TopkRangeError`. Host memory (numpy) only."""
     m = _np_map(routing_map, "routing_map")
     T, E = m.shape
-    p = None
-    if probs is not None:
-        p = _np_float32(probs, "probs")
-        if p.shape != (T, E):
-            _shape_error(f"probs has shape {p.shape}, expected {(T, E)} like routing_map")
+    p = _np_weights(probs, "probs", (T, E), "routing_map")
     idx = np.empty((T, topk), np.int32)
     w = np.empty((T, topk), np.float32)
     _check(_lib.load().epx_map_to_topk(T, E, topk, m.ctypes.data, p.ctypes.data if p is not None else None,
@@ -40,11 +36,7 @@ def topk_to_map(topk_idx, topk_weights=None, *, num_experts: int) -> Tuple[np.nd
     :class:`ExpertOutOfRangeError`. Host memory (numpy) only."""
     idx, code = _np_idx(topk_idx, "topk_idx")
     T, K = idx.shape
-    w = None
-    if topk_weights is not None:
-        w = _np_float32(topk_weights, "topk_weights")
-        if w.shape != (T, K):
-            _shape_error(f"topk_weights has shape {w.shape}, expected {(T, K)} like topk_idx")
+    w = _np_weights(topk_weights, "topk_weights", (T, K), "topk_idx")
     m = np.empty((T, num_experts), np.uint8)
     p = np.empty((T, num_experts), np.float32)
     _check(_lib.load().epx_topk_to_map(T, num_experts, K, int(code), idx.ctypes.data,
@@ -67,6 +59,16 @@ def _np_float32(a, name):
     if not np.issubdtype(a.dtype, np.floating) and not np.issubdtype(a.dtype, np.integer):
         _dtype_error(f"{name} must be a float array, got {a.dtype}")
     return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _np_weights(a, name, shape, like):
+    """The optional float32 weights that go with a routing (probs, topk_weights), of its shape."""
+    if a is None:
+        return None
+    a = _np_float32(a, name)
+    if a.shape != shape:
+        _shape_error(f"{name} has shape {a.shape}, expected {shape} like {like}")
+    return a
 
 
 def _np_idx(a, name):
@@ -98,13 +100,7 @@ def _routing(fe, comm: Comm, topk_idx, topk_weights, routing_map, probs):
             _shape_error(f"topk_idx has {k} columns but the comm's topk is {K}")
         keep.append((idx, _device_check(fe, comm, idx, "topk_idx")))
         r.num_tokens, r.idx_dtype, r.topk_idx = T, int(code), fe.ptr(idx)
-        if topk_weights is not None:
-            w, _ = _input(fe, topk_weights, "topk_weights", (DType.FLOAT32,), 2, DType.FLOAT32)
-            if fe.shape(w) != (T, K):
-                _shape_error(f"topk_weights has shape {fe.shape(w)}, expected {(T, K)} like topk_idx")
-            _device_check(fe, comm, w, "topk_weights")
-            keep.append((w, None))
-            r.topk_weights = fe.ptr(w)
+        r.topk_weights = _routing_weights(fe, comm, topk_weights, "topk_weights", (T, K), "topk_idx", keep)
     else:
         if topk_weights is not None:
             _arg_error("topk_weights goes with topk_idx; with routing_map pass probs")
@@ -114,11 +110,18 @@ def _routing(fe, comm: Comm, topk_idx, topk_weights, routing_map, probs):
             _shape_error(f"routing_map has {e} columns but the comm has {E} experts")
         keep.append((m, _device_check(fe, comm, m, "routing_map")))
         r.num_tokens, r.idx_dtype, r.routing_map = T, int(DType.INT32), fe.ptr(m)
-        if probs is not None:
-            p, _ = _input(fe, probs, "probs", (DType.FLOAT32,), 2, DType.FLOAT32)
-            if fe.shape(p) != (T, E):
-                _shape_error(f"probs has shape {fe.shape(p)}, expected {(T, E)} like routing_map")
-            _device_check(fe, comm, p, "probs")
-            keep.append((p, None))
-            r.probs = fe.ptr(p)
+        r.probs = _routing_weights(fe, comm, probs, "probs", (T, E), "routing_map", keep)
     return r, keep, T
+
+
+def _routing_weights(fe, comm: Comm, a, name, shape, like, keep):
+    """The pointer of the optional float32 weights of a routing (topk_weights, probs), checked
+    against its shape and the comm's device; the array goes to ``keep``. None when absent."""
+    if a is None:
+        return None
+    a, _ = _input(fe, a, name, (DType.FLOAT32,), 2, DType.FLOAT32)
+    if fe.shape(a) != shape:
+        _shape_error(f"{name} has shape {fe.shape(a)}, expected {shape} like {like}")
+    _device_check(fe, comm, a, name)
+    keep.append((a, None))
+    return fe.ptr(a)

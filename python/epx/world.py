@@ -93,6 +93,18 @@ class World(_Owned):
             wc.devices = ctypes.cast(keep, ctypes.POINTER(ctypes.c_int))
         return wc, keep
 
+    @classmethod
+    def _one_rank_config(cls, rank, nranks, backend, device):
+        """The world config of one rank of a group spread over processes: only this rank's
+        device (if given) is set. Never the settings of ranks sharing a GPU (see epx.gpu)."""
+        if not 0 <= rank < nranks:
+            _arg_error(f"rank {rank} outside [0, {nranks})")
+        devices = None
+        if device is not None:
+            devices = [-1] * nranks
+            devices[rank] = int(device)
+        return cls._world_config(int(nranks), backend, devices)
+
     def _init(self, ptr, ranks, keep=None):
         lib = _lib.load()
         self._ptr = ptr
@@ -119,14 +131,8 @@ class World(_Owned):
         lib = _lib.load()
         if lib.epx_world_create_rank is None:
             _raise(Status.UNSUPPORTED, f"{lib.path} has no epx_world_create_rank (a build older than epx.h)")
-        if not 0 <= rank < nranks:
-            _arg_error(f"rank {rank} outside [0, {nranks})")
+        wc, keep = cls._one_rank_config(rank, nranks, backend, device)
         uid = _unique_id_struct(unique_id)
-        devices = None
-        if device is not None:
-            devices = [-1] * nranks
-            devices[rank] = int(device)
-        wc, keep = cls._world_config(int(nranks), backend, devices)
         p = ctypes.c_void_p()
         _check(lib.epx_world_create_rank(ctypes.byref(wc), ctypes.byref(uid), int(rank), ctypes.byref(p)),
                "epx_world_create_rank")
@@ -143,8 +149,7 @@ class World(_Owned):
         lib = _lib.load()
         if lib.epx_world_create_rank_with is None:
             _raise(Status.UNSUPPORTED, f"{lib.path} has no epx_world_create_rank_with (a build older than epx.h)")
-        if not 0 <= rank < nranks:
-            _arg_error(f"rank {rank} outside [0, {nranks})")
+        wc, keep = cls._one_rank_config(rank, nranks, backend, device)
         errors = []
 
         def cb(mine, all_, nbytes, ctx):
@@ -161,11 +166,6 @@ class World(_Owned):
                 return 1
 
         fn = _lib.ALLGATHER_FN(cb)
-        devices = None
-        if device is not None:
-            devices = [-1] * nranks
-            devices[rank] = int(device)
-        wc, keep = cls._world_config(int(nranks), backend, devices)
         p = ctypes.c_void_p()
         st = lib.epx_world_create_rank_with(ctypes.byref(wc), int(rank), fn, None, ctypes.byref(p))
         if st != 0 and errors:

@@ -11,7 +11,7 @@ import torch
 
 from .._lib import DType, Status
 from ..errors import DeviceError, _dtype_error
-from ..frontend import _Frontend, _dtype_codes
+from ..frontend import _Frontend
 
 
 _TORCH_OF = {
@@ -32,27 +32,13 @@ if _FP8 is not None:
 
 class _TorchFrontend(_Frontend):
     name = "torch"
-
-    @staticmethod
-    def is_array(a) -> bool:
-        return isinstance(a, torch.Tensor)
-
-    @staticmethod
-    def codes(a):
-        return _dtype_codes(a.dtype, _TORCH_CODES)
-
-    @staticmethod
-    def dtype_name(a) -> str:
-        return str(a.dtype)
+    array_type = torch.Tensor
+    code_table = _TORCH_CODES
 
     @staticmethod
     def device(a) -> str:
         d = a.device
         return "cpu" if d.type == "cpu" else f"{d.type}:{d.index if d.index is not None else torch.cuda.current_device()}"
-
-    @staticmethod
-    def shape(a) -> tuple:
-        return tuple(a.shape)
 
     @staticmethod
     def ptr(a):
