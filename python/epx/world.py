@@ -70,8 +70,8 @@ class World(_Owned):
         if not isinstance(nranks, (int, np.integer)) or isinstance(nranks, bool):
             _arg_error(f"nranks must be an int, got {nranks!r}")
         self._devices = list(devices) if devices is not None else None
-        prepare_shared_gpu(int(nranks), _parse_backend(backend), self._devices)  # before CUDA starts
         wc, keep = self._world_config(int(nranks), backend, devices)
+        prepare_shared_gpu(int(nranks), Backend(wc.backend), self._devices)  # before CUDA starts
         p = ctypes.c_void_p()
         _check(lib.epx_world_create(ctypes.byref(wc), ctypes.byref(p)), "epx_world_create")
         self._init(p, list(range(int(nranks))), keep)
