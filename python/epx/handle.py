@@ -358,22 +358,8 @@ class Handle(_Owned):
             _arg_error("the handle has no plan yet: dispatch before combine")
         fe = _frontend_of(y)
         c = self.comm
-        H, K, L = c.hidden, c.topk, c.num_local_experts
-        T = self._num_tokens
-        ll = self._algo == Algo.LL
-        y, y_code = _input(fe, y, "y", (DType.FLOAT32, DType.BFLOAT16), (2, 3))
-        dev = _device_check(fe, c, y, "y")
-        ys = tuple(fe.shape(y))
-        if ll:
-            if ys not in ((L, self.ll_rows, H), (L * self.ll_rows, H)):
-                _shape_error(f"y must be [{L}, {self.ll_rows}, {H}] in low-latency mode, got {ys}")
-            lead = (L, self.ll_rows) if len(ys) == 3 else (L * self.ll_rows,)
-        else:
-            if len(ys) != 2 or ys[1] != H:
-                _shape_error(f"y must be [rows, {H}], got {ys}")
-            if self._rows is not None and ys[0] < self._rows:
-                _shape_error(f"y has {ys[0]} rows but the plan has {self._rows}")
-            lead = (ys[0],)
+        T, H = self._num_tokens, c.hidden
+        y, y_code, dev, lead = self._combine_rows(fe, y)
         o_code = y_code if out_dtype is None else _parse_float_dtype(out_dtype)
         if o_code not in (DType.FLOAT32, DType.BFLOAT16):
             _dtype_error("out_dtype must be float32 or bfloat16")
@@ -382,23 +368,7 @@ class Handle(_Owned):
         else:
             o_code = _output(fe, out, "out", (T, H), (DType.FLOAT32, DType.BFLOAT16))
             _device_check(fe, c, out, "out")
-        rp = None
-        if row_probs is not None:
-            if self._layout == _LayoutKind.TOKEN:
-                _arg_error("row_probs is for the expert layout (token layout rows are summed unweighted)")
-            rp, _ = _input(fe, row_probs, "row_probs", (DType.FLOAT32,), None, DType.FLOAT32)
-            if tuple(fe.shape(rp)) not in (lead, (int(np.prod(lead)),)):
-                _shape_error(f"row_probs has shape {tuple(fe.shape(rp))}, expected {lead}")
-            _device_check(fe, c, rp, "row_probs")
-        rwg = twg = None
-        if row_weight_grad is not None:
-            want = lead + (K,) if self._layout == _LayoutKind.TOKEN else lead
-            rwg, _ = _input(fe, row_weight_grad, "row_weight_grad", (DType.FLOAT32,), None, DType.FLOAT32)
-            flat = (int(np.prod(want[:-1])), K) if self._layout == _LayoutKind.TOKEN else (int(np.prod(want)),)
-            if tuple(fe.shape(rwg)) not in (want, flat):
-                _shape_error(f"row_weight_grad has shape {tuple(fe.shape(rwg))}, expected {want}")
-            _device_check(fe, c, rwg, "row_weight_grad")
-            twg = fe.alloc((T, K), DType.FLOAT32, device=dev, zero=True)
+        rp, rwg, twg = self._row_extras(fe, dev, lead, row_probs, row_weight_grad)
 
         lib = _lib.load()
         a = _lib.CombineArgs()
@@ -415,6 +385,51 @@ class Handle(_Owned):
             st = lib.epx_combine(c._p(), self._p(), ctypes.byref(a))
         _check(st, "epx_combine")
         return out if twg is None else (out, twg)
+
+    def _combine_rows(self, fe, y):
+        """Checks the rows combine takes: returns (y, its dtype, its device, the leading
+        dimensions of per-row arrays)."""
+        c = self.comm
+        H, L = c.hidden, c.num_local_experts
+        y, y_code = _input(fe, y, "y", (DType.FLOAT32, DType.BFLOAT16), (2, 3))
+        dev = _device_check(fe, c, y, "y")
+        ys = tuple(fe.shape(y))
+        if self._algo == Algo.LL:
+            if ys not in ((L, self.ll_rows, H), (L * self.ll_rows, H)):
+                _shape_error(f"y must be [{L}, {self.ll_rows}, {H}] in low-latency mode, got {ys}")
+            lead = (L, self.ll_rows) if len(ys) == 3 else (L * self.ll_rows,)
+        else:
+            if len(ys) != 2 or ys[1] != H:
+                _shape_error(f"y must be [rows, {H}], got {ys}")
+            if self._rows is not None and ys[0] < self._rows:
+                _shape_error(f"y has {ys[0]} rows but the plan has {self._rows}")
+            lead = (ys[0],)
+        return y, y_code, dev, lead
+
+    def _row_extras(self, fe, dev, lead, row_probs, row_weight_grad):
+        """The optional per-row inputs of combine, checked against the rows' shape ``lead``:
+        returns (row_probs, row_weight_grad, the topk_weight_grad [T, K] output or None)."""
+        c = self.comm
+        K, T = c.topk, self._num_tokens
+        token = self._layout == _LayoutKind.TOKEN
+        rp = None
+        if row_probs is not None:
+            if token:
+                _arg_error("row_probs is for the expert layout (token layout rows are summed unweighted)")
+            rp, _ = _input(fe, row_probs, "row_probs", (DType.FLOAT32,), None, DType.FLOAT32)
+            if tuple(fe.shape(rp)) not in (lead, (int(np.prod(lead)),)):
+                _shape_error(f"row_probs has shape {tuple(fe.shape(rp))}, expected {lead}")
+            _device_check(fe, c, rp, "row_probs")
+        rwg = twg = None
+        if row_weight_grad is not None:
+            want = lead + (K,) if token else lead
+            rwg, _ = _input(fe, row_weight_grad, "row_weight_grad", (DType.FLOAT32,), None, DType.FLOAT32)
+            flat = (int(np.prod(want[:-1])), K) if token else (int(np.prod(want)),)
+            if tuple(fe.shape(rwg)) not in (want, flat):
+                _shape_error(f"row_weight_grad has shape {tuple(fe.shape(rwg))}, expected {want}")
+            _device_check(fe, c, rwg, "row_weight_grad")
+            twg = fe.alloc((T, K), DType.FLOAT32, device=dev, zero=True)
+        return rp, rwg, twg
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
