@@ -178,7 +178,7 @@ static void check_results(const char *what, bw_t *c, const tu_expect_t *ex) {
   for (int s = 0; s < R; s++) {
     char w2[640];
     snprintf(w2, sizeof w2, "%s rank %d forward out vs dense_moe", what, s);
-    tu_check_bits(w2, dt, c->out[s], want[s], m->T[s] * H, H);
+    CHECK_BITS(w2, dt, c->out[s], want[s], m->T[s] * H, H);
   }
   tu_free_all(want, R);
 

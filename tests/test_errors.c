@@ -105,7 +105,7 @@ static void check_still_works(const char *what, tu_world_t *w, epx_handle_t **h,
   if (rc == 0) {
     void *want[TU_MAX_RANKS];
     tu_dense(&m, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, layout == EPX_LAYOUT_EXPERT, (const float *const *)m.w, want);
-    for (int r = 0; r < m.R; r++) tu_check_bits(what, EPX_FLOAT32, res.out[r], want[r], m.T[r] * m.H, m.H);
+    for (int r = 0; r < m.R; r++) CHECK_BITS(what, EPX_FLOAT32, res.out[r], want[r], m.T[r] * m.H, m.H);
     tu_free_all(want, m.R);
   }
   tu_pipe_free(&res, m.R);

@@ -345,7 +345,7 @@ void gu_compare_rank(const gu_case_t *c, const gu_result_t *got, const gu_result
 #define CMP(name, t, a, b, n, row)                                                  \
   do {                                                                              \
     snprintf(what, sizeof what, "%s rank %d %s [%s]", label, r, name, gu_case_str(c)); \
-    tu_check_bits(what, t, a, b, n, row);                                           \
+    CHECK_BITS(what, t, a, b, n, row);                                           \
   } while (0)
   CMP("recv_x", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv_x[r], want->recv_x[r], cap * H, H);
   CMP("recv2", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv2[r], want->recv2[r], cap * H, H);
