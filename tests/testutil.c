@@ -9,14 +9,6 @@
 #include <string.h>
 
 /* ---- world and comms ---------------------------------------------------------------- */
-epx_config_t tu_config(int E, int H, int K, int max_tokens_per_rank) {
-  epx_config_t c;
-  epx_config_init(&c);
-  c.num_experts = E, c.hidden = H, c.topk = K, c.max_tokens_per_rank = max_tokens_per_rank;
-  c.timeout_ms = 10000;
-  return c;
-}
-
 typedef struct {
   tu_world_t *w;
   const epx_config_t *cfg, *cfgs;
@@ -60,13 +52,6 @@ void tu_world_destroy(tu_world_t *w) {
     CHECK(s == EPX_SUCCESS, "epx_world_destroy: %s", epx_status_string(s));
     w->world = NULL;
   }
-}
-
-epx_handle_config_t tu_handle_config(epx_algo_t algo, epx_layout_t layout, int align) {
-  epx_handle_config_t hc;
-  epx_handle_config_init(&hc);
-  hc.algo = algo, hc.layout = layout, hc.align = align;
-  return hc;
 }
 
 epx_status_t tu_handles_create(tu_world_t *w, const epx_handle_config_t *hc, epx_handle_t **h) {

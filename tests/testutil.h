@@ -21,8 +21,6 @@ typedef struct {
   epx_comm_t *comm[TU_MAX_RANKS];
 } tu_world_t;
 
-/* A config with timeout 10 s (so a bug shows as a failure, not a long hang). */
-epx_config_t tu_config(int E, int H, int K, int max_tokens_per_rank);
 /* Host world of R ranks; each rank thread calls epx_comm_init with cfgs[r] (or cfg for all
  * when cfgs is NULL). st (may be NULL) gets each rank's status. Returns the first failure;
  * on failure the world is left created and the failed comms NULL: tu_world_destroy it. */
@@ -30,7 +28,6 @@ epx_status_t tu_world_create(tu_world_t *w, int R, const epx_config_t *cfg, cons
 void tu_world_destroy(tu_world_t *w);
 epx_status_t tu_handles_create(tu_world_t *w, const epx_handle_config_t *hc, epx_handle_t **h);
 void tu_handles_destroy(tu_world_t *w, epx_handle_t **h);
-epx_handle_config_t tu_handle_config(epx_algo_t algo, epx_layout_t layout, int align);
 
 /* A reusable barrier for the rank threads of one run (test-side, not epx's): every thread
  * passes its vote and gets the OR of the votes of this round. */

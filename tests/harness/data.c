@@ -222,6 +222,22 @@ void tu_moe_stream(tu_moe_t *m, uint64_t seed, uint64_t stream, int R, int E, in
   tu_moe_random(m, &g, R, E, H, K, x_dtype, T, &o, 1);
 }
 
+/* ---- configs ---------------------------------------------------------------------- */
+epx_config_t tu_config(int E, int H, int K, int max_tokens_per_rank) {
+  epx_config_t c;
+  epx_config_init(&c);
+  c.num_experts = E, c.hidden = H, c.topk = K, c.max_tokens_per_rank = max_tokens_per_rank;
+  c.timeout_ms = 10000;
+  return c;
+}
+
+epx_handle_config_t tu_handle_config(epx_algo_t algo, epx_layout_t layout, int align) {
+  epx_handle_config_t hc;
+  epx_handle_config_init(&hc);
+  hc.algo = algo, hc.layout = layout, hc.align = align;
+  return hc;
+}
+
 /* ---- fixed patterns ----------------------------------------------------------------- */
 void tu_fixed_bf16(uint16_t *x, int64_t n, float base, int period, int salt) {
   for (int64_t i = 0; i < n; i++) x[i] = epx_float_to_bf16(base + (float)((i + salt) % period));

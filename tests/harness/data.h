@@ -1,6 +1,6 @@
 /*
  * data — the tests' inputs: elements per the contract, poisoned buffers, random routings, one
- * MoE input over R ranks in every routing form, and fixed patterns for the fault tests.
+ * MoE input over R ranks in every routing form, configs, and fixed patterns for the fault tests.
  */
 #ifndef EPX_TEST_DATA_H
 #define EPX_TEST_DATA_H
@@ -74,6 +74,11 @@ epx_routing_t tu_routing(const tu_moe_t *m, int rank, int form);
  * none; a slot routes nowhere with probability 0.15; weights on. */
 void tu_moe_stream(tu_moe_t *m, uint64_t seed, uint64_t stream, int R, int E, int H, int K, epx_dtype_t x_dtype,
                    int max_tokens);
+
+/* ---- configs ---------------------------------------------------------------------- */
+/* A config with timeout 10 s (so a bug shows as a failure, not a long hang). */
+epx_config_t tu_config(int E, int H, int K, int max_tokens_per_rank);
+epx_handle_config_t tu_handle_config(epx_algo_t algo, epx_layout_t layout, int align);
 
 /* ---- fixed patterns (tests of failures, whose data need not vary) ------------------- */
 /* x[i] = bf16(base + (i + salt) % period). */

@@ -42,14 +42,14 @@ typedef struct {
   epx_comm_t *comm;
   epx_handle_t *h;
   int me;
-  mp_moe_t m;
+  tu_moe_t m;
   void *recv, *y, *out;
   int64_t rows;
 } pipe_t;
 
 static epx_status_t do_notify(pipe_t *p, int iter) {
-  mp_moe_free(&p->m);
-  mp_moe_make(&p->m, mp_seed, (uint64_t)iter, R, R * L, H, K, EPX_BFLOAT16, MAXT);
+  tu_moe_free(&p->m);
+  tu_moe_stream(&p->m, tu_seed, (uint64_t)iter, R, R * L, H, K, EPX_BFLOAT16, MAXT);
   epx_routing_t rt = {.num_tokens = p->m.T[p->me], .idx_dtype = EPX_INT32, .topk_idx = p->m.idx[p->me],
                       .topk_weights = p->m.w[p->me]};
   return epx_notify(p->comm, p->h, &rt);
@@ -110,7 +110,7 @@ static void check_failure(const case_t *c, const char *tag, const char *what, ep
     CHECK(secs < 0.75 * c->timeout_ms / 1000.0, "%s: %s took %.3f s to see the loss (timeout %d ms)", tag, what, secs,
           c->timeout_ms);
   }
-  CHECK(mp_names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
+  CHECK(tu_names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
 }
 
 static void rank_main(mp_ctx_t *ctx) {
@@ -136,9 +136,9 @@ static void rank_main(mp_ctx_t *ctx) {
   epx_comm_t *comm = NULL;
 
   if (victim && c->stage == AT_INIT) die_or_stall(c, &world, &comm, &h);
-  double t0 = mp_now();
+  double t0 = tu_now();
   epx_status_t s = world ? epx_comm_init(world, me, &cfg, &comm) : EPX_ERR_BROKEN;
-  double secs = mp_now() - t0;
+  double secs = tu_now() - t0;
   if (c->stage == AT_INIT) {
     if (!victim) check_failure(c, tag, "comm_init", s, secs);
     if (victim && c->how == HOW_HANG)
@@ -174,21 +174,21 @@ static void rank_main(mp_ctx_t *ctx) {
   const char *what = "?";
   if (c->stage == AT_LOOP) {
     /* until the parent's kill shows (the victim loops too, until it is killed) */
-    double end = mp_now() + 60;
-    for (int it = 0; s == EPX_SUCCESS && mp_now() < end; it++) {
-      t0 = mp_now(), what = "notify", s = do_notify(&p, it);
-      if (s == EPX_SUCCESS) t0 = mp_now(), what = "dispatch", s = do_dispatch(&p);
-      if (s == EPX_SUCCESS) t0 = mp_now(), what = "combine", s = do_combine(&p);
+    double end = tu_now() + 60;
+    for (int it = 0; s == EPX_SUCCESS && tu_now() < end; it++) {
+      t0 = tu_now(), what = "notify", s = do_notify(&p, it);
+      if (s == EPX_SUCCESS) t0 = tu_now(), what = "dispatch", s = do_dispatch(&p);
+      if (s == EPX_SUCCESS) t0 = tu_now(), what = "combine", s = do_combine(&p);
     }
-    secs = mp_now() - t0;
+    secs = tu_now() - t0;
   } else {
     if (victim && c->stage == AT_NOTIFY) die_or_stall(c, &world, &comm, &h);
-    if (comm) t0 = mp_now(), what = "notify", s = do_notify(&p, 1);
+    if (comm) t0 = tu_now(), what = "notify", s = do_notify(&p, 1);
     if (s == EPX_SUCCESS && victim && c->stage == AT_DISPATCH) die_or_stall(c, &world, &comm, &h);
-    if (s == EPX_SUCCESS && comm) t0 = mp_now(), what = "dispatch", s = do_dispatch(&p);
+    if (s == EPX_SUCCESS && comm) t0 = tu_now(), what = "dispatch", s = do_dispatch(&p);
     if (s == EPX_SUCCESS && victim && c->stage == AT_COMBINE) die_or_stall(c, &world, &comm, &h);
-    if (s == EPX_SUCCESS && comm) t0 = mp_now(), what = "combine", s = do_combine(&p);
-    secs = mp_now() - t0;
+    if (s == EPX_SUCCESS && comm) t0 = tu_now(), what = "combine", s = do_combine(&p);
+    secs = tu_now() - t0;
   }
 
   if (!victim) {
@@ -211,7 +211,7 @@ static void rank_main(mp_ctx_t *ctx) {
   epx_handle_destroy(h);
   epx_comm_destroy(comm);
   epx_world_destroy(world);
-  mp_moe_free(&p.m);
+  tu_moe_free(&p.m);
   free(p.recv), free(p.y), free(p.out);
 released:
   /* everything released, after a failure too (process 0 of a unique-id launch also ran the
@@ -223,11 +223,11 @@ released:
 }
 
 int main(void) {
-  mp_begin("test_mp_peerlost");
+  tu_begin("test_mp_peerlost");
   setenv("EPX_TIMEOUT_MS", "10000", 1); /* the bootstrap's bound; the comms use c.timeout_ms */
   char shm_before[8192];
   mp_shm_list(shm_before, sizeof shm_before);
-  mp_rng_t g = mp_rng(mp_seed, 4242);
+  tu_rng_t g = tu_rng_stream(tu_seed, 4242);
 
   const case_t cases[] = {
       {AT_INIT, HOW_KILL, 0, 0},        {AT_NOTIFY, HOW_KILL, 0, 0},      {AT_DISPATCH, HOW_KILL, 0, 0},
@@ -238,20 +238,20 @@ int main(void) {
   for (int i = 0; i < ncases; i++)
     for (int b = 0; b < 2; b++) {
       case_t c = cases[i];
-      c.victim = mp_int(&g, 0, R - 1);
+      c.victim = tu_int(&g, 0, R - 1);
       c.timeout_ms = c.how == HOW_HANG ? HANG_TIMEOUT_MS : KILL_TIMEOUT_MS;
       if (c.how == HOW_HANG && b == 1) continue; /* one bootstrap is enough for the slow case */
       mp_launch_t l = {.nprocs = R, .boot = (mp_boot_t)b, .limit_s = 60};
       if (c.how == HOW_KILL || c.how == HOW_PARENT_KILL) l.expect_signal[c.victim] = SIGKILL;
-      if (c.how == HOW_PARENT_KILL) l.kill_after_s[c.victim] = 0.2 + 0.6 * (double)mp_int(&g, 0, 1000) / 1000.0;
+      if (c.how == HOW_PARENT_KILL) l.kill_after_s[c.victim] = 0.2 + 0.6 * (double)tu_int(&g, 0, 1000) / 1000.0;
       printf("-- %s bootstrap: rank %d %s at %s\n", mp_boot_name(l.boot), c.victim, how_name[c.how],
              stage_name[c.stage]);
-      double t0 = mp_now();
+      double t0 = tu_now();
       mp_launch(&l, rank_main, &c);
-      printf("   %.2f s\n", mp_now() - t0);
+      printf("   %.2f s\n", tu_now() - t0);
       char extra[1024];
       int n = mp_shm_new(shm_before, extra, sizeof extra);
       CHECK(n == 0, "/dev/shm has %d new epx entries after the run: %s", n, extra);
     }
-  return mp_end();
+  return tu_end();
 }
