@@ -298,7 +298,7 @@ static void two_worlds_at_once(void) {
       tu_dense(&m[g], EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, 0, (const float *const *)m[g].w, want);
       for (int r = 0; r < 2; r++)
         CHECK_BITS(g ? "two worlds: B" : "two worlds: A", EPX_FLOAT32, c.out[g][r], want[r], m[g].T[r] * m[g].H,
-                      m[g].H);
+                   m[g].H);
       tu_free_all(want, 2);
     }
     for (int g = 0; g < 2; g++) tu_free_all(c.out[g], 2), tu_moe_free(&m[g]);
