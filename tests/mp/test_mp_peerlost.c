@@ -113,6 +113,64 @@ static void check_failure(const case_t *c, const char *tag, const char *what, ep
   CHECK(tu_names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
 }
 
+/* After a good comm_init: a good pipeline, then the pipelines until the victim's failure
+ * shows, the verdict on it, and that the group stays broken. The victim's own objects may be
+ * released on the way (die_or_stall). */
+static void run_to_failure(const case_t *c, const char *tag, bool victim, pipe_t *p, epx_world_t **world,
+                           epx_comm_t **comm, epx_handle_t **h) {
+  epx_handle_config_t hc;
+  epx_handle_config_init(&hc);
+  CHECK_STATUS(epx_handle_create(*comm, &hc, h), EPX_SUCCESS, "%s handle", tag);
+  p->comm = *comm, p->h = *h;
+
+  /* one good pipeline first (the loop case has no "before": the kill may come any time) */
+  if (c->stage != AT_LOOP) {
+    CHECK_STATUS(do_notify(p, 0), EPX_SUCCESS, "%s first notify", tag);
+    CHECK_STATUS(do_dispatch(p), EPX_SUCCESS, "%s first dispatch", tag);
+    CHECK_STATUS(do_combine(p), EPX_SUCCESS, "%s first combine", tag);
+  }
+
+  epx_status_t s = EPX_SUCCESS;
+  const char *what = "?";
+  double t0 = tu_now(), secs;
+  if (c->stage == AT_LOOP) {
+    /* until the parent's kill shows (the victim loops too, until it is killed) */
+    double end = tu_now() + 60;
+    for (int it = 0; s == EPX_SUCCESS && tu_now() < end; it++) {
+      t0 = tu_now(), what = "notify", s = do_notify(p, it);
+      if (s == EPX_SUCCESS) t0 = tu_now(), what = "dispatch", s = do_dispatch(p);
+      if (s == EPX_SUCCESS) t0 = tu_now(), what = "combine", s = do_combine(p);
+    }
+    secs = tu_now() - t0;
+  } else {
+    if (victim && c->stage == AT_NOTIFY) die_or_stall(c, world, comm, h);
+    if (*comm) t0 = tu_now(), what = "notify", s = do_notify(p, 1);
+    if (s == EPX_SUCCESS && victim && c->stage == AT_DISPATCH) die_or_stall(c, world, comm, h);
+    if (s == EPX_SUCCESS && *comm) t0 = tu_now(), what = "dispatch", s = do_dispatch(p);
+    if (s == EPX_SUCCESS && victim && c->stage == AT_COMBINE) die_or_stall(c, world, comm, h);
+    if (s == EPX_SUCCESS && *comm) t0 = tu_now(), what = "combine", s = do_combine(p);
+    secs = tu_now() - t0;
+  }
+
+  if (!victim) {
+    CHECK(strcmp(what, stage_name[c->stage]) == 0 || c->stage == AT_LOOP, "%s: %s failed, not %s", tag, what,
+          stage_name[c->stage]);
+    check_failure(c, tag, what, s, secs);
+  } else if (*comm) { /* the late rank */
+    CHECK(s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST, "%s: the late rank's %s gave %s (%s)", tag, what,
+          epx_status_string(s), epx_last_error());
+    CHECK(secs < 1.0, "%s: the late rank took %.3f s to fail", tag, secs);
+  }
+  if (*comm) {
+    /* broken for good */
+    CHECK_STATUS(do_notify(p, 99), EPX_ERR_BROKEN, "%s: a call after the failure", tag);
+    epx_dispatch_args_t a;
+    epx_dispatch_args_init(&a);
+    a.recv_x = p->recv ? p->recv : (void *)&a;
+    CHECK_STATUS(epx_dispatch(*comm, *h, NULL, &a), EPX_ERR_BROKEN, "%s: a dispatch after the failure", tag);
+  }
+}
+
 static void rank_main(mp_ctx_t *ctx) {
   const case_t *c = ctx->arg;
   const int me = ctx->proc;
@@ -158,56 +216,7 @@ static void rank_main(mp_ctx_t *ctx) {
     epx_world_destroy(world);
     return;
   }
-  epx_handle_config_t hc;
-  epx_handle_config_init(&hc);
-  CHECK_STATUS(epx_handle_create(comm, &hc, &h), EPX_SUCCESS, "%s handle", tag);
-  p.comm = comm, p.h = h;
-
-  /* one good pipeline first (the loop case has no "before": the kill may come any time) */
-  if (c->stage != AT_LOOP) {
-    CHECK_STATUS(do_notify(&p, 0), EPX_SUCCESS, "%s first notify", tag);
-    CHECK_STATUS(do_dispatch(&p), EPX_SUCCESS, "%s first dispatch", tag);
-    CHECK_STATUS(do_combine(&p), EPX_SUCCESS, "%s first combine", tag);
-  }
-
-  s = EPX_SUCCESS;
-  const char *what = "?";
-  if (c->stage == AT_LOOP) {
-    /* until the parent's kill shows (the victim loops too, until it is killed) */
-    double end = tu_now() + 60;
-    for (int it = 0; s == EPX_SUCCESS && tu_now() < end; it++) {
-      t0 = tu_now(), what = "notify", s = do_notify(&p, it);
-      if (s == EPX_SUCCESS) t0 = tu_now(), what = "dispatch", s = do_dispatch(&p);
-      if (s == EPX_SUCCESS) t0 = tu_now(), what = "combine", s = do_combine(&p);
-    }
-    secs = tu_now() - t0;
-  } else {
-    if (victim && c->stage == AT_NOTIFY) die_or_stall(c, &world, &comm, &h);
-    if (comm) t0 = tu_now(), what = "notify", s = do_notify(&p, 1);
-    if (s == EPX_SUCCESS && victim && c->stage == AT_DISPATCH) die_or_stall(c, &world, &comm, &h);
-    if (s == EPX_SUCCESS && comm) t0 = tu_now(), what = "dispatch", s = do_dispatch(&p);
-    if (s == EPX_SUCCESS && victim && c->stage == AT_COMBINE) die_or_stall(c, &world, &comm, &h);
-    if (s == EPX_SUCCESS && comm) t0 = tu_now(), what = "combine", s = do_combine(&p);
-    secs = tu_now() - t0;
-  }
-
-  if (!victim) {
-    CHECK(strcmp(what, stage_name[c->stage]) == 0 || c->stage == AT_LOOP, "%s: %s failed, not %s", tag, what,
-          stage_name[c->stage]);
-    check_failure(c, tag, what, s, secs);
-  } else if (comm) { /* the late rank */
-    CHECK(s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST, "%s: the late rank's %s gave %s (%s)", tag, what,
-          epx_status_string(s), epx_last_error());
-    CHECK(secs < 1.0, "%s: the late rank took %.3f s to fail", tag, secs);
-  }
-  if (comm) {
-    /* broken for good */
-    CHECK_STATUS(do_notify(&p, 99), EPX_ERR_BROKEN, "%s: a call after the failure", tag);
-    epx_dispatch_args_t a;
-    epx_dispatch_args_init(&a);
-    a.recv_x = p.recv ? p.recv : (void *)&a;
-    CHECK_STATUS(epx_dispatch(comm, h, NULL, &a), EPX_ERR_BROKEN, "%s: a dispatch after the failure", tag);
-  }
+  run_to_failure(c, tag, victim, &p, &world, &comm, &h);
   epx_handle_destroy(h);
   epx_comm_destroy(comm);
   epx_world_destroy(world);
