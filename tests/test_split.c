@@ -98,10 +98,10 @@ int main(void) {
   epx_run_ranks(R, rank_main, &t, NULL);
   for (int r = 0; r < R; r++) {
     CHECK_STATUS(t.st[r], EPX_SUCCESS, "rank %d", r);
-    tu_check_bits("SEND + COMPLETE against the whole operation", EPX_FLOAT32, t.out_split[r], t.out_whole[r], T[r] * H, H);
+    CHECK_BITS("SEND + COMPLETE against the whole operation", EPX_FLOAT32, t.out_split[r], t.out_whole[r], T[r] * H, H);
     CHECK(t.refusals[r] == 3, "rank %d: %d of 3 out-of-order calls refused (-1: the SEND/COMPLETE pair failed)", r,
           t.refusals[r]);
-    tu_check_bits("the layer after the refusals", EPX_FLOAT32, t.out_after[r], t.out_whole[r], T[r] * H, H);
+    CHECK_BITS("the layer after the refusals", EPX_FLOAT32, t.out_after[r], t.out_whole[r], T[r] * H, H);
     free(t.out_whole[r]);
     free(t.out_split[r]);
     free(t.out_after[r]);

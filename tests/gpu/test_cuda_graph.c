@@ -205,7 +205,7 @@ static epx_status_t driver(graph_t *g) {
     char what[64];
     for (int r = 0; r < R && !g->failed; r++) {
       snprintf(what, sizeof what, "replay %d rank %d out", pass, r);
-      tu_check_bits(what, EPX_BFLOAT16, g->out_host[r], want[r], (int64_t)T * H, H);
+      CHECK_BITS(what, EPX_BFLOAT16, g->out_host[r], want[r], (int64_t)T * H, H);
     }
     for (int r = 0; r < R; r++) free(want[r]);
   }
