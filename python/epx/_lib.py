@@ -264,7 +264,7 @@ _FUNCTIONS = {
 }
 
 # Declared in epx.h but possibly missing from an older or partial build: bound when present,
-# else calling them raises an UnsupportedError (see core.py).
+# else calling them raises an UnsupportedError (see world.py).
 OPTIONAL = frozenset({"epx_get_unique_id", "epx_world_create_rank", "epx_world_create_rank_with",
                       "epx_comm_synchronize"})
 

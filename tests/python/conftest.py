@@ -14,6 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# The GPU tests run ranks sharing a GPU in this process and start CUDA (torch streams, tensors)
+# before they create their worlds, too late for the settings such a world makes (epx.gpu):
+# make them first, as a framework that starts CUDA early must.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 if os.environ.get("EPX_TEST_INSTALLED") != "1":
     sys.path.insert(0, str(ROOT / "python"))
 
