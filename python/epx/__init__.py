@@ -82,7 +82,7 @@ from .core import (
     topk_to_map,
 )
 
-__version__ = "0.1.0"
+from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx and CMake
 
 __all__ = [
     "Algo", "Backend", "DType", "LayoutKind", "Status", "MAX_EXPERTS", "MAX_HIDDEN", "MAX_RANKS", "MAX_TOPK",

@@ -39,12 +39,26 @@ from ctypes import (
 )
 from pathlib import Path
 
-# ---- constants (epx.h) ------------------------------------------------------------------
+# ---- version ----------------------------------------------------------------------------
 
-VERSION_MAJOR = 0
-VERSION_MINOR = 1
-VERSION_PATCH = 0
+
+def _read_version() -> str:
+    """The package's version: the file VERSION, the one version source of C, CMake and Python.
+    An installed package has it at epx/VERSION (CMake installs it there), a checkout at its root.
+    A copy of the package with neither is "unknown", and will accept no library."""
+    here = Path(__file__).resolve().parent
+    for f in (here / "VERSION", here.parent.parent / "VERSION"):
+        if f.is_file():
+            return f.read_text().strip()
+    return "unknown"
+
+
+PACKAGE_VERSION = _read_version()
+VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH = (
+    tuple(int(p) for p in PACKAGE_VERSION.split(".")[:3]) if PACKAGE_VERSION != "unknown" else (0, 0, 0))
 VERSION_CODE = VERSION_MAJOR * 10000 + VERSION_MINOR * 100 + VERSION_PATCH
+
+# ---- constants (epx.h) ------------------------------------------------------------------
 
 MAX_RANKS = 64
 MAX_TOPK = 16
