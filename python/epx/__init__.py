@@ -34,7 +34,7 @@ _os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 from ._lib import Algo, Backend, DType, Layout as LayoutKind, Status, MAX_EXPERTS, MAX_HIDDEN, MAX_RANKS, MAX_TOPK
-from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound
+from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound, LibraryVersionMismatch
 from .core import (
     BrokenCommError,
     Comm,
@@ -86,7 +86,7 @@ from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx 
 
 __all__ = [
     "Algo", "Backend", "DType", "LayoutKind", "Status", "MAX_EXPERTS", "MAX_HIDDEN", "MAX_RANKS", "MAX_TOPK",
-    "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound",
+    "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound", "LibraryVersionMismatch",
     "World", "Comm", "Handle", "Config", "HandleInfo", "Layout", "DispatchResult",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "NullPointerError",
     "ExpertOutOfRangeError", "ExpertsNotDivisibleError", "TopkRangeError", "HiddenRangeError",
