@@ -132,5 +132,5 @@ PY
 for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"
-  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|\{"baseline)' "$f"
+  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|GB/s/SM|\{"baseline)' "$f"
 done
