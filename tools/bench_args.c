@@ -113,7 +113,8 @@ static int parse_one(int argc, char **argv, int *i, bench_opts_t *o, seen_t *see
     else if (!strcmp(a, "--graph")) o->graph = 1;
     else if (!strcmp(a, "--json")) {
       o->json = 1;
-      if (v && v[0] != '-') o->json_path = v, ++*i; /* a file; "-" or none: stdout */
+      if (v && !strcmp(v, "-")) ++*i;                      /* "-": stdout, as with no file */
+      else if (v && v[0] != '-') o->json_path = v, ++*i; /* a file */
     } else {
       fprintf(stderr, "epx-bench: unknown argument '%s' (--help lists the options)\n", a);
       return -1;

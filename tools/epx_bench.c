@@ -184,7 +184,7 @@ const bench_dev_t bench_host_dev = {
 /* A run longer than a few seconds says how far it is, on stderr (the results go elsewhere). */
 static void progress(bench_t *b, int it) {
   const double t = now();
-  if (t - b->started < 3.0 || t - b->last_progress < 2.0) return;
+  if (t - b->started < 3.0 || t - b->last_progress < 5.0) return;
   b->last_progress = t;
   if (it < 0)
     fprintf(stderr, "epx-bench: warm-up %d of %d, %.0f s\n", it + b->o.warmup + 1, b->o.warmup, t - b->started);

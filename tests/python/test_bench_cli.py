@@ -19,8 +19,9 @@ def bench(*args):
     return subprocess.run([str(BENCH), *args], capture_output=True, text=True, timeout=300)
 
 
-def test_json_only_on_stdout():
-    out = bench(*SMALL, "--check", "--json", "--layout", "expert", "--align", "4")
+@pytest.mark.parametrize("json_arg", [["--json"], ["--json", "-"]])
+def test_json_only_on_stdout(json_arg):
+    out = bench(*SMALL, "--check", *json_arg, "--layout", "expert", "--align", "4")
     assert out.returncode == 0, out.stderr
     run = json.loads(out.stdout)  # the whole of stdout is one JSON document
     assert out.stdout.count("\n") == 1 and "phase" in out.stderr  # the table went to stderr
