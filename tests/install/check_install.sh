@@ -13,6 +13,10 @@ cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" || { cat "$tmp/i
 echo "installed into $prefix:"
 (cd "$prefix" && find . -type f -o -type l | sort | sed 's/^/  /')
 
+echo "== the installed epx-bench finds the installed library"
+"$prefix/bin/epx-bench" --backend host --ranks 2 --tokens 4 --hidden 64 --experts 4 --topk 2 --iters 1 --check \
+  | grep '^check: ok'
+
 echo "== CMake: find_package(epx CONFIG) -> epx::epx"
 cmake -S "$src/tests/install/consumer" -B "$tmp/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
   -DCMAKE_C_COMPILER="$cc" -DEPX_EXAMPLE="$src/examples/minimal.c" >"$tmp/cmake.log" 2>&1 \
