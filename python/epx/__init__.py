@@ -22,7 +22,7 @@ Errors raise :class:`epx.Error` subclasses (see its docstring for the table), ea
 """
 
 from ._lib import Algo, Backend, DType, Layout as LayoutKind, Status, MAX_EXPERTS, MAX_HIDDEN, MAX_RANKS, MAX_TOPK
-from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound
+from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound, LibraryVersionMismatch
 from .comm import Comm
 from .config import Config, backend_available, backend_unavailable_reason, library_path, status_string
 from .dtypes import bf16_bits_to_float32, dequantize_e4m3, e4m3_to_float32, float32_to_bf16_bits, quantize_e4m3
@@ -57,11 +57,11 @@ from .results import DispatchResult, HandleInfo, Layout
 from .routing import map_to_topk, topk_to_map
 from .world import World, get_unique_id, run_threads
 
-__version__ = "0.1.0"
+from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx and CMake
 
 __all__ = [
     "Algo", "Backend", "DType", "LayoutKind", "Status", "MAX_EXPERTS", "MAX_HIDDEN", "MAX_RANKS", "MAX_TOPK",
-    "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound",
+    "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound", "LibraryVersionMismatch",
     "World", "Comm", "Handle", "Config", "HandleInfo", "Layout", "DispatchResult",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "NullPointerError",
     "ExpertOutOfRangeError", "ExpertsNotDivisibleError", "TopkRangeError", "HiddenRangeError",
