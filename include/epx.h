@@ -57,6 +57,7 @@ extern "C" {
 #define EPX_MAX_EXPERTS 4096
 #define EPX_MAX_HIDDEN 65536
 #define EPX_FP8_BLOCK 128 /* channels per fp8 scale */
+#define EPX_MAX_TOKENS 2147483647LL /* tokens of one rank in one call (counts are int32) */
 
 typedef enum {
   EPX_SUCCESS = 0,
@@ -78,6 +79,8 @@ typedef enum {
   EPX_ERR_CUDA,               /* a CUDA call failed */
   EPX_ERR_BROKEN,             /* the comm is unusable after an earlier timeout or peer loss */
   EPX_ERR_INTERNAL,           /* a bug in epx */
+  EPX_ERR_OUT_OF_STEP,        /* the ranks are in different collective calls (operation, call number or
+                                 handle differ): the comm is broken */
   EPX_NUM_STATUS
 } epx_status_t;
 
@@ -111,10 +114,13 @@ EPX_API epx_status_t epx_backend_available(epx_backend_t backend);
 /* ------------------------------------------------------------------------------------------
  * Scalar conversions. These are the exact roundings every backend uses.
  * ---------------------------------------------------------------------------------------- */
-EPX_API uint16_t epx_float_to_bf16(float x);   /* round to nearest even; NaN stays NaN */
-EPX_API float epx_bf16_to_float(uint16_t x);
-EPX_API uint8_t epx_float_to_e4m3(float x);    /* round to nearest even, saturating at +-448 */
-EPX_API float epx_e4m3_to_float(uint8_t x);
+/* NaN rule (docs/design.md): a row copied without conversion keeps its bits; every NaN that a
+ * narrowing conversion or arithmetic makes is the canonical one of its type: float32
+ * 0x7FFFFFFF, bf16 0x7FFF, e4m3 0x7F. */
+EPX_API uint16_t epx_float_to_bf16(float x);   /* round to nearest even; NaN -> 0x7FFF */
+EPX_API float epx_bf16_to_float(uint16_t x);   /* exact: the bits shifted up (NaN payloads too) */
+EPX_API uint8_t epx_float_to_e4m3(float x);    /* round to nearest even, saturating at +-448; NaN -> 0x7F */
+EPX_API float epx_e4m3_to_float(uint8_t x);    /* exact; NaN -> 0x7FFFFFFF */
 /* Quantise one row of `hidden` floats: ceil(hidden / EPX_FP8_BLOCK) scales. For each block,
  * a = max(max|x|, 1e-4f); q = e4m3(x * (448 / a)); scale = a / 448. */
 EPX_API void epx_quantize_row_e4m3(const float *x, int hidden, uint8_t *q, float *scales);
