@@ -24,7 +24,9 @@ static epx_status_t check_topk_row(int64_t t, const int32_t *row, int topk, int 
 
 /* The shape checks of the host conversions: [T, E] and [T, K] arrays must be addressable. */
 static epx_status_t check_converter_shape(int64_t num_tokens, int num_experts, int topk) {
-  if (num_tokens < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld < 0", (long long)num_tokens);
+  if (num_tokens < 0 || num_tokens > EPX_MAX_TOKENS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld outside [0, EPX_MAX_TOKENS = %lld]",
+                     (long long)num_tokens, (long long)EPX_MAX_TOKENS);
   if (topk < 1 || topk > EPX_MAX_TOPK)
     return epxi_fail(EPX_ERR_TOPK_RANGE, "topk %d outside [1, %d]", topk, EPX_MAX_TOPK);
   if (num_experts < 1) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_experts %d < 1", num_experts);
