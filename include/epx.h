@@ -22,7 +22,16 @@
  * thread: epx_run_ranks does that for you. Every wait is bounded by the comm's timeout: a
  * peer that never arrives gives EPX_ERR_TIMEOUT, naming the phase and the peer, never a hang.
  * After a timeout the comm is broken: every later collective on it fails fast; destroy the
- * comms and the world and create them again.
+ * comms and the world and create them again. A call that a peer gave up on never returns
+ * EPX_SUCCESS on any rank.
+ *
+ * Matching: every collective call carries, into its first exchange, the operation, the comm's
+ * call number, the handle's identity (its creation number on the comm) and its settings, and the
+ * call's own arguments (part, dtypes, flags, which optional arrays are given). Ranks in
+ * different calls fail with EPX_ERR_OUT_OF_STEP (the comm is then broken); the same call with
+ * different settings or arguments fails with EPX_ERR_CONFIG_MISMATCH naming the field (the comm
+ * stays usable). A rank that refuses its own arguments still takes part, so its peers fail at
+ * once with its status; only a NULL comm cannot. (CUDA backend: not yet; see the README.)
  *
  * Memory: every pointer handed to an operation lives where the comm's backend computes
  * (host memory for EPX_BACKEND_HOST, device memory for EPX_BACKEND_CUDA).
@@ -220,7 +229,7 @@ EPX_API epx_status_t epx_run_ranks(int nranks, epx_rank_fn fn, void *arg, epx_st
  *         may hold at most K experts; they are taken in ascending expert id.
  * ---------------------------------------------------------------------------------------- */
 typedef struct {
-  int64_t num_tokens;       /* T >= 0 */
+  int64_t num_tokens;       /* 0 <= T <= EPX_MAX_TOKENS */
   epx_dtype_t idx_dtype;    /* EPX_INT32 or EPX_INT64, for topk_idx */
   const void *topk_idx;     /* topk form: [T, K] */
   const float *topk_weights;
@@ -269,6 +278,10 @@ typedef struct {
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
+/* Local (not collective). The handle's identity is its creation number on the comm, failed
+ * calls included: create a comm's handles in the same order on every rank. Its settings are
+ * compared with the peers' at every collective call that uses it (EPX_ERR_CONFIG_MISMATCH
+ * naming the field), not here. */
 EPX_API epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle);
 EPX_API epx_status_t epx_handle_destroy(epx_handle_t *handle);
 
