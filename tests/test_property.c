@@ -34,6 +34,17 @@ static void add_specials(tu_moe_t *m, int rate) {
     }
 }
 
+/* Half the cases carry special values; a high rate sometimes, so that whole rows and fp8
+ * blocks hold them. Returns the rate (0: none) and notes it in `what`. */
+static int pick_specials(tu_moe_t *m, char *what, size_t size) {
+  const int rate = tu_int(&tu_rng, 0, 1) ? (tu_int(&tu_rng, 0, 3) ? 40 : 3) : 0;
+  if (rate) {
+    add_specials(m, rate);
+    strncat(what, " +special values", size - strlen(what) - 1);
+  }
+  return rate;
+}
+
 /* Every NaN that arithmetic made is the canonical one of its type. */
 static void check_canonical_nans(const char *what, epx_dtype_t t, const void *out, int64_t n) {
   int64_t bad = 0, first = -1;
@@ -148,13 +159,7 @@ static void one_case(int i) {
       for (int64_t j = 0; j < T[r] * K; j++)
         if (tu_int(&tu_rng, 0, 3) == 0) m.w[r][j] = 0.0f;
   if (zero_weights) strncat(what, " +zero weights", sizeof what - strlen(what) - 1);
-  /* Half the cases carry special values; a high rate sometimes, so that whole rows and fp8
-   * blocks hold them. */
-  const int specials = tu_int(&tu_rng, 0, 1) ? (tu_int(&tu_rng, 0, 3) ? 40 : 3) : 0;
-  if (specials) {
-    add_specials(&m, specials);
-    strncat(what, " +special values", sizeof what - strlen(what) - 1);
-  }
+  const int specials = pick_specials(&m, what, sizeof what);
   if (form >= TU_FORM_MAP) tu_moe_make_map(&m);
 
   tu_world_t w;
