@@ -93,6 +93,12 @@ void epxi_stamp_combine(epxi_stamp_t *s, const epx_combine_args_t *a) {
   put(s, F_WGRAD, a->row_weight_grad != NULL);
 }
 
+const char *epxi_stamp_field(int word, int bit) {
+  for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+    if (fields[i].word == word && bit >= fields[i].shift && bit < fields[i].shift + fields[i].bits) return fields[i].name;
+  return "an unknown field";
+}
+
 /* ---- comparing ------------------------------------------------------------------------- */
 
 const char *epxi_op_name(epxi_op_t op) {

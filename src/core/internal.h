@@ -162,6 +162,10 @@ void epxi_stamp_combine(epxi_stamp_t *s, const epx_combine_args_t *args);
  * (EPX_ERR_CONFIG_MISMATCH naming the field). `me` is the calling rank, `phase` names the
  * exchange in messages. */
 epx_status_t epxi_stamp_compare(const epxi_stamp_t *all, int nranks, int me, const char *phase);
+/* The name of the field that holds bit `bit` (0..63) of digest word `word` (0, 1): for a
+ * backend that compares the digest words on the device and reports the lowest differing bit
+ * (__ffsll of the XOR). */
+const char *epxi_stamp_field(int word, int bit);
 
 /* ---- checked sizes -------------------------------------------------------------------- */
 
