@@ -22,7 +22,9 @@ static const char *const names[MC_NUM_CASES] = {
     [MC_RECV_PROBS] = "recv_probs on all but one rank", [MC_PART] = "SEND against ALL",
     [MC_Y_DTYPE] = "y bf16 against f32",      [MC_WEIGHTED] = "unweighted against weighted",
     [MC_WEIGHT_GRAD] = "row_weight_grad on one rank", [MC_SKIPPED_NOTIFY] = "a skipped notify, then combine",
-    [MC_COMBINE_VS_REPLAY] = "combine against a dispatch replay",
+    [MC_COMBINE_VS_REPLAY] = "combine against a dispatch replay", [MC_X_DTYPE] = "x bf16 against f32",
+    [MC_COUNTS] = "counts on all but one rank", [MC_OUT_DTYPE] = "out bf16 against f32",
+    [MC_ROW_PROBS] = "row_probs on one rank",
 };
 
 const char *mc_name(mc_kind_t kind) { return kind < MC_NUM_CASES ? names[kind] : "?"; }
@@ -185,7 +187,9 @@ static epx_combine_args_t combine_args(const mc_data_t *d, int r, mc_bufs_t *b) 
 
 /* ---- the case's handle and call ------------------------------------------------------------ */
 
-static int expert_case(mc_kind_t k) { return k == MC_SCALE_BY_PROBS || k == MC_WEIGHTED || k == MC_RECV_PROBS; }
+static int expert_case(mc_kind_t k) {
+  return k == MC_SCALE_BY_PROBS || k == MC_WEIGHTED || k == MC_RECV_PROBS || k == MC_ROW_PROBS;
+}
 
 static epx_handle_config_t handle_config(const mc_case_t *c, int me) {
   epx_handle_config_t hc;
@@ -200,7 +204,8 @@ static epx_handle_config_t handle_config(const mc_case_t *c, int me) {
 }
 
 static int combine_case(mc_kind_t k) {
-  return k == MC_COMBINE_NULL_HANDLE || k == MC_Y_DTYPE || k == MC_WEIGHTED || k == MC_WEIGHT_GRAD;
+  return k == MC_COMBINE_NULL_HANDLE || k == MC_Y_DTYPE || k == MC_WEIGHTED || k == MC_WEIGHT_GRAD ||
+         k == MC_OUT_DTYPE || k == MC_ROW_PROBS;
 }
 
 /* The call under test on rank me. */
@@ -213,6 +218,8 @@ static epx_status_t bad_call(const mc_case_t *c, int me, epx_comm_t *comm, epx_h
     if (odd && c->kind == MC_Y_DTYPE) a.y_dtype = EPX_BFLOAT16;
     if (odd && c->kind == MC_WEIGHTED) a.weighted = 0;
     if (odd && c->kind == MC_WEIGHT_GRAD) a.row_weight_grad = b->row_wgrad, a.topk_weight_grad = b->topk_wgrad;
+    if (odd && c->kind == MC_OUT_DTYPE) a.out_dtype = EPX_BFLOAT16;
+    if (odd && c->kind == MC_ROW_PROBS) a.row_probs = b->row_wgrad; /* any [rows] of floats */
     return epx_combine(comm, odd && c->kind == MC_COMBINE_NULL_HANDLE ? NULL : h, &a);
   }
   if (c->kind == MC_SKIPPED_NOTIFY) return epx_notify(comm, h, &rt);
@@ -229,6 +236,8 @@ static epx_status_t bad_call(const mc_case_t *c, int me, epx_comm_t *comm, epx_h
       case MC_SCALE_BY_PROBS: a.scale_by_probs = 1; break;
       case MC_RECV_PROBS: a.recv_probs = NULL; break;
       case MC_PART: a.part = EPX_PART_SEND; break;
+      case MC_X_DTYPE: a.x_dtype = a.recv_dtype = EPX_BFLOAT16; break;
+      case MC_COUNTS: a.tokens_per_local_expert = NULL; break;
       default: break;
     }
   return epx_dispatch(comm, use, &rt, &a);
@@ -259,7 +268,9 @@ static const char *want_words(mc_kind_t k, int odd) {
                                       [MC_RECV_DTYPE] = "'recv_dtype'", [MC_SCALE_BY_PROBS] = "'scale_by_probs'",
                                       [MC_RECV_PROBS] = "'recv_probs given'", [MC_PART] = "'part'",
                                       [MC_Y_DTYPE] = "'y_dtype'", [MC_WEIGHTED] = "'weighted'",
-                                      [MC_WEIGHT_GRAD] = "'row_weight_grad given'",
+                                      [MC_WEIGHT_GRAD] = "'row_weight_grad given'", [MC_X_DTYPE] = "'x_dtype'",
+                                      [MC_COUNTS] = "'tokens_per_local_expert given'",
+                                      [MC_OUT_DTYPE] = "'out_dtype'", [MC_ROW_PROBS] = "'row_probs given'",
                                       [MC_SKIPPED_NOTIFY] = "out of step", [MC_COMBINE_VS_REPLAY] = "out of step"};
   if (k <= MC_COMBINE_NULL_HANDLE) return odd ? own[k] : "failed";
   return field[k];

@@ -34,9 +34,13 @@ typedef enum {
   MC_SCALE_BY_PROBS,  /* expert-layout dispatch */
   MC_RECV_PROBS,      /* an optional output on one rank only */
   MC_PART,            /* SEND against ALL */
+  MC_X_DTYPE,         /* dispatch x bfloat16 against float32 */
+  MC_COUNTS,          /* tokens_per_local_expert on all but one rank */
   MC_Y_DTYPE,         /* combine y float32 against bfloat16 */
   MC_WEIGHTED,        /* expert-layout combine */
   MC_WEIGHT_GRAD,     /* combine with row_weight_grad on one rank only */
+  MC_OUT_DTYPE,       /* combine out bfloat16 against float32 */
+  MC_ROW_PROBS,       /* expert-layout combine with row_probs on one rank only */
   /* other operations */
   MC_SKIPPED_NOTIFY,  /* the bad rank's notify has a NULL comm (it cannot take part), then it
                          combines while its peers notify */
