@@ -28,6 +28,7 @@ static const char *const status_strings[EPX_NUM_STATUS] = {
     [EPX_ERR_CUDA] = "EPX_ERR_CUDA: a CUDA call failed",
     [EPX_ERR_BROKEN] = "EPX_ERR_BROKEN: the comm is unusable after an earlier failure of the group",
     [EPX_ERR_INTERNAL] = "EPX_ERR_INTERNAL: internal error",
+    [EPX_ERR_OUT_OF_STEP] = "EPX_ERR_OUT_OF_STEP: the ranks are in different collective calls",
 };
 
 const char *epx_status_string(epx_status_t status) {
