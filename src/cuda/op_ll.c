@@ -93,9 +93,9 @@ static epx_status_t ll_combine_complete(epx_comm_t *c, epx_handle_t *h, const ep
 
 /* One exchange per operation, none in notify: post this rank's status in it. */
 static epx_status_t ll_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st) {
-  uint64_t words[EPXC_SLOT_WORDS] = {(uint64_t)(uint32_t)status};
+  const epxc_words_t words = {.status = (uint64_t)(uint32_t)status};
   if (op != EPXI_OP_NOTIFY)
-    LAUNCH_TRY(epxc_exchange(&CC(c)->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, words,
+    LAUNCH_TRY(epxc_exchange(&CC(c)->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, &words,
                              NULL, st),
                "exchange");
   if (op == EPXI_OP_DISPATCH || op == EPXI_OP_NOTIFY_DISPATCH) ch_of(h)->ll_dispatched = false;
