@@ -26,7 +26,7 @@ void epxi_log(epxi_log_level_t level, const char *fmt, ...) __attribute__((forma
 typedef struct {
   int timeout_ms;        /* EPX_TIMEOUT_MS, default 30000 */
   int num_sms;           /* EPX_NUM_SMS, default 16 */
-  int ipc_arena_mb;      /* EPX_IPC_ARENA_MB: the CUDA backend's cross-process arena; 0 = from the config */
+  int arena_mb;          /* EPX_ARENA_MB (old name EPX_IPC_ARENA_MB): a CUDA comm's arena; 0 = from the config */
   epxi_log_level_t log;  /* EPX_DEBUG=WARN|INFO */
 } epxi_env_t;
 const epxi_env_t *epxi_env(void);

@@ -1,7 +1,8 @@
 /* The CUDA backend's host side, shared by its files (C11):
  *   world.c          devices, streams, the world's error words, comm set-up and teardown
- *   arena.c          device memory: what the comm's buffers are carved from
- *   transport_*.c    how a comm reaches its peers (one file per transport)
+ *   arena.c          device memory: the comm's arena, which every buffer is carved from
+ *   transport_*.c    how a comm's peers reach its arena and state, one file per transport:
+ *                    in one process (transport_inproc.c), across processes (transport_ipc.c)
  *   report.c         waiting for a stream, lost peers, turning error words into statuses
  *   handle.c         handles, layout, and the entry points, which hand each operation to the
  *                    handle's algorithm (cuda_algo_t)
@@ -21,27 +22,62 @@ typedef struct {
   epxc_error_t *errors_host; /* [R], host-mapped */
   epxc_error_t *errors_dev;
   bool shared;               /* across processes: errors_host is the group's shared page, registered */
-  int num_devices;
-  cudaMemPool_t *pools;      /* [num_devices]: epx's stream-ordered memory on the devices of this
-                                process's ranks (see connect_devices), NULL elsewhere */
 } cuda_world_t;
+
+/* One cudaMalloc'd piece of an arena, carved by `heap`. */
+typedef struct {
+  char *base;
+  size_t bytes;
+  epxi_suballoc_t heap;
+} arena_chunk_t;
+
+#define EPXC_ARENA_CHUNKS 16
+
+/* A comm's device memory: chunk 0 made at comm init, which the transport makes reachable by
+ * the peers; more chunks only by growth, where that is safe (arena_extend). */
+typedef struct {
+  arena_chunk_t chunk[EPXC_ARENA_CHUNKS];
+  int chunks;
+  bool growable; /* one process, and no other rank of it on this GPU */
+} arena_t;
+
+typedef struct cuda_transport cuda_transport_t;
 
 typedef struct {
   int device;
-  cudaMemPool_t pool;       /* the world's pool of this device */
   cudaStream_t own_stream;
   cudaStream_t last_stream; /* where the previous operation went */
   cudaEvent_t order;        /* orders an operation after the previous one when the stream changes */
-  epxc_state_t *state;
-  epxc_group_t group;
+  epxc_state_t *state;      /* this rank's exchange state (in the arena, or beside it: the transport's choice) */
+  epxc_group_t group;       /* what the kernels know of the group: filled by the transport */
   epxc_shape_t shape;
-  /* across processes: this rank's arena (carved by `heap`, the state included), exported to
-   * the peers, and the peers' arenas as mapped here; arena is NULL in one process */
-  char *arena;
-  size_t arena_bytes;
-  epxi_suballoc_t heap;
-  void *mapped[EPX_MAX_RANKS];
+  const cuda_transport_t *transport;
+  arena_t arena;
+  void *mapped[EPX_MAX_RANKS]; /* across processes: the peers' arenas as mapped here */
 } cuda_comm_t;
+
+/* How a comm's peers reach its memory and it theirs. open makes the arena (chunk 0, `bytes`),
+ * the state, and fills cc->group (state[], delta[]); it is collective: every rank succeeds or
+ * every rank fails, and a failure leaves nothing of the arena behind. close undoes it once the
+ * comm's streams are idle. A new transport (NCCL windows, say) is a file with these two. */
+struct cuda_transport {
+  const char *name;
+  /* Peers reach the caller's own buffers (one address space, or peer access): false across
+   * processes, where rows peers read are copied into the arena first. */
+  bool caller_memory;
+  epx_status_t (*open)(epx_comm_t *c, cuda_comm_t *cc, size_t bytes, bool growable);
+  void (*close)(epx_comm_t *c, cuda_comm_t *cc);
+};
+
+extern const cuda_transport_t epxc_transport_inproc, epxc_transport_ipc;
+
+/* The first rank whose entry of `status` (stride bytes apart) is a failure, or -1: how the
+ * transports agree on the outcome of a collective step. */
+static inline int first_failed(const void *status, size_t stride, int n) {
+  for (int r = 0; r < n; r++)
+    if (*(const int32_t *)((const char *)status + r * stride) != EPX_SUCCESS) return r;
+  return -1;
+}
 
 /* What the host learns of a plan in exact mode. */
 typedef struct {
@@ -135,20 +171,20 @@ cudaStream_t op_stream(const epx_comm_t *c);
 
 /* ---- memory (arena.c) ------------------------------------------------------------------- */
 
-size_t ipc_arena_bytes(const epx_comm_t *c);
-epx_status_t dev_alloc(cuda_comm_t *cc, bool peers, void **p, size_t bytes, cudaStream_t st, const char *what);
-void dev_free(cuda_comm_t *cc, void *p, cudaStream_t st);
-/* Whether the buffers may move (grow): not while a graph captures the handle's operations. */
-void grow_freeze(bool frozen);
-epx_status_t grow(cuda_comm_t *cc, bool peers, cudaStream_t st, void **p, size_t bytes, const char *what);
-epx_status_t ensure_bytes(cuda_comm_t *cc, bool peers, cudaStream_t st, void **p, size_t *have, size_t need,
-                          const char *what);
+/* The default size of a comm's arena for `sharing` ranks of this process on a GPU of
+ * `device_bytes` (the README's formula), or EPX_ARENA_MB. */
+size_t arena_size(const epx_comm_t *c, int sharing, size_t device_bytes);
+epx_status_t arena_make(arena_t *a, size_t bytes, bool growable, const char *who);
+void arena_free(arena_t *a);
+size_t arena_in_use(const arena_t *a);
+size_t arena_bytes(const arena_t *a);
+/* A buffer of the comm's arena; EPX_ERR_OUT_OF_MEMORY, naming EPX_ARENA_MB, when it does not fit. */
+epx_status_t dev_alloc(cuda_comm_t *cc, void **p, size_t bytes, cudaStream_t st, const char *what);
+void dev_free(cuda_comm_t *cc, void *p);
+epx_status_t grow(cuda_comm_t *cc, const cuda_handle_t *ch, cudaStream_t st, void **p, size_t bytes, const char *what);
+epx_status_t ensure_bytes(cuda_comm_t *cc, const cuda_handle_t *ch, cudaStream_t st, void **p, size_t *have,
+                          size_t need, const char *what);
 size_t carve(char **base, size_t bytes);
-
-/* ---- transports ------------------------------------------------------------------------- */
-
-epx_status_t ipc_open(epx_comm_t *c, cuda_comm_t *cc);
-void ipc_close(epx_comm_t *c, cuda_comm_t *cc, bool meet);
 
 /* ---- waiting and reporting (report.c) ---------------------------------------------------- */
 
@@ -172,7 +208,7 @@ void cuda_comm_destroy(epx_comm_t *c);
 epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h);
 epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st);
 epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st);
-void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p, cudaStream_t st);
+void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p);
 epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status);
 
 /* The exchange-framed algorithms (high-throughput, all-to-all): notify builds the plan and

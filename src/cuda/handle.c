@@ -18,27 +18,27 @@ epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaS
   cuda_comm_t *cc = CC(c);
   const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts, L = c->num_local_experts;
   p->words = W;
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->idx, sizeof(int32_t) * cap * K + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->weight, sizeof(float) * cap * K + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->rank_bits, sizeof(uint32_t) * R * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->rank_pre, sizeof(int32_t) * R * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->exp_bits, sizeof(uint32_t) * E * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->exp_pre, sizeof(int32_t) * E * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->counts, sizeof(int32_t) * (R + E), st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->pair_base, sizeof(int64_t) * L * R, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->block, sizeof(int64_t) * (L + 1), st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&p->pairs_local, sizeof(int32_t) * L, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->idx, sizeof(int32_t) * cap * K + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->weight, sizeof(float) * cap * K + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->rank_bits, sizeof(uint32_t) * R * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->rank_pre, sizeof(int32_t) * R * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->exp_bits, sizeof(uint32_t) * E * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->exp_pre, sizeof(int32_t) * E * W + 16, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->counts, sizeof(int32_t) * (R + E), st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->pair_base, sizeof(int64_t) * L * R, st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->block, sizeof(int64_t) * (L + 1), st, "plan buffers"));
+  EPX_CHECK(dev_alloc(cc, (void **)&p->pairs_local, sizeof(int32_t) * L, st, "plan buffers"));
   return EPX_SUCCESS;
 }
 
-void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p, cudaStream_t st) {
+void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p) {
   void *bufs[] = {p->idx, p->weight, p->rank_bits, p->rank_pre, p->exp_bits, p->exp_pre, p->counts,
                   p->pair_base, p->block, p->pairs_local};
-  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i], st);
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
 }
 
 /* Handles are made while peers may already wait on this rank in an exchange: nothing here may
- * synchronise the device, so every allocation is stream-ordered on the comm's stream. */
+ * synchronise the device, so every buffer is carved from the comm's arena. */
 static epx_status_t cuda_handle_create(epx_handle_t *h) {
   cuda_handle_t *ch = calloc(1, sizeof *ch);
   const epx_comm_t *c = h->comm;
@@ -52,12 +52,12 @@ static epx_status_t cuda_handle_create(epx_handle_t *h) {
   cudaStream_t st = stream_of(c);
   const char *what = "handle buffers";
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
-  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->dev, sizeof(epxc_plan_t), st, what));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.pair_base, sizeof(int64_t) * L * R, st, what));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.block, sizeof(int64_t) * (L + 1), st, what));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.pairs_local, sizeof(int32_t) * L, st, what));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.counts, sizeof(int32_t) * (R + E), st, what));
-  EPX_CHECK(dev_alloc(cc, true, (void **)&ch->host.pair_send_base, sizeof(int64_t) * (E + 1), st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->dev, sizeof(epxc_plan_t), st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->host.pair_base, sizeof(int64_t) * L * R, st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->host.block, sizeof(int64_t) * (L + 1), st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->host.pairs_local, sizeof(int32_t) * L, st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->host.counts, sizeof(int32_t) * (R + E), st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->host.pair_send_base, sizeof(int64_t) * (E + 1), st, what));
   CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), what);
   if (ch->algo->create) EPX_CHECK(ch->algo->create(c, ch, st));
   return EPX_SUCCESS;
@@ -71,19 +71,17 @@ static void cuda_handle_destroy(epx_handle_t *h) {
   cudaSetDevice(cc->device);
   /* arena memory is reused at once: nothing queued may still use it (nor the peers reading
    * it, which the closing exchange of an operation already waited for) */
-  if (cc->arena) {
-    wait_stream(h->comm, st);
-    if (cc->last_stream && cc->last_stream != st) wait_stream(h->comm, cc->last_stream);
-  }
+  wait_stream(h->comm, st);
+  if (cc->last_stream && cc->last_stream != st) wait_stream(h->comm, cc->last_stream);
   void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.block, ch->host.pairs_local, ch->host.counts, ch->host.idx,
                   ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
                   ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back,
                   ch->ipc_x, ch->ipc_wgrad, ch->ll_dev};
-  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i], st);
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
   for (int i = 0; i < 2; i++) {
-    plan_arrays_free(cc, &ch->ll_plan[i], st);
+    plan_arrays_free(cc, &ch->ll_plan[i]);
     void *ll_bufs[] = {ch->ll.plan[i], ch->ll.stage[i], ch->ll.stage_scales[i], ch->ll.partials[i], ch->ll.wgrad[i]};
-    for (size_t j = 0; j < sizeof ll_bufs / sizeof *ll_bufs; j++) dev_free(cc, ll_bufs[j], st);
+    for (size_t j = 0; j < sizeof ll_bufs / sizeof *ll_bufs; j++) dev_free(cc, ll_bufs[j]);
   }
   free(ch->summary);
   free(ch->pairs_local_host);
@@ -109,11 +107,10 @@ static epx_status_t cuda_get_layout(epx_comm_t *c, const epx_routing_t *r, int32
 }
 
 /* What notify, dispatch and combine start with: the rank's device, and the stream the operation
- * runs on, noting whether a graph captures it (the handle's buffers must not move then). */
+ * runs on, noting whether a graph captures it (the handle's buffers must not move then: grow). */
 epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st) {
   *st = op_stream(c);
   ch->captured |= capturing(*st);
-  grow_freeze(ch->captured);
   CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
   return EPX_SUCCESS;
 }

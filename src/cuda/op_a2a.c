@@ -15,7 +15,7 @@ static epx_status_t ensure_a2a(epx_comm_t *c, cuda_handle_t *ch, const epx_dispa
   char *at = NULL;
   carve(&at, row * send_rows), carve(&at, sizeof(float) * blocks * send_rows), carve(&at, sizeof(int32_t) * send_rows);
   carve(&at, sizeof(float) * send_rows);
-  EPX_CHECK(ensure_bytes(CC(c), true, st, &ch->a2a.send_x, &ch->a2a_send_bytes, (size_t)(uintptr_t)at,
+  EPX_CHECK(ensure_bytes(CC(c), ch, st, &ch->a2a.send_x, &ch->a2a_send_bytes, (size_t)(uintptr_t)at,
                          "all-to-all send buffer"));
   char *base = ch->a2a.send_x;
   carve(&base, row * send_rows);
@@ -26,7 +26,7 @@ static epx_status_t ensure_a2a(epx_comm_t *c, cuda_handle_t *ch, const epx_dispa
   const int64_t stage_rows = a->recv_capacity > 0 ? a->recv_capacity : 1;
   at = NULL;
   carve(&at, row * stage_rows), carve(&at, sizeof(float) * blocks * stage_rows), carve(&at, sizeof(float) * stage_rows);
-  EPX_CHECK(ensure_bytes(CC(c), false, st, &ch->a2a.stage_x, &ch->a2a_stage_bytes, (size_t)(uintptr_t)at,
+  EPX_CHECK(ensure_bytes(CC(c), ch, st, &ch->a2a.stage_x, &ch->a2a_stage_bytes, (size_t)(uintptr_t)at,
                          "all-to-all staging buffer"));
   base = ch->a2a.stage_x;
   carve(&base, row * stage_rows);
@@ -60,7 +60,8 @@ static epx_status_t a2a_combine(epx_comm_t *c, epx_handle_t *h, const epx_combin
   cuda_handle_t *ch = h->impl;
   const size_t back = (size_t)(ch->num_tokens > 0 ? ch->num_tokens : 1) * c->cfg.topk * c->cfg.hidden *
                       epx_dtype_size(a->y_dtype);
-  epx_status_t grown = ensure_bytes(cc, false, st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer");
+  epx_status_t grown =
+      ensure_bytes(cc, ch, st, &ch->a2a_back, &ch->a2a_back_bytes, back, "all-to-all combine buffer");
   if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
   k->staged = ch->a2a_back;
   EPX_CHECK(framed_combine_open(c, h, a, s, k, st));

@@ -14,12 +14,12 @@ static epx_status_t ensure_tokens(epx_comm_t *c, cuda_handle_t *ch, int64_t cap,
   epxc_plan_t *p = &ch->host;
   cuda_comm_t *cc = CC(c);
   ch->token_cap = 0; /* until every buffer below has grown: a failure grows them all next time */
-  EPX_CHECK(grow(cc, true, st, (void **)&p->idx, sizeof(int32_t) * cap * K, "routing buffer"));
-  EPX_CHECK(grow(cc, true, st, (void **)&p->weight, sizeof(float) * cap * K, "weight buffer"));
-  EPX_CHECK(grow(cc, true, st, (void **)&p->rank_bits, sizeof(uint32_t) * R * W, "rank bitmap"));
-  EPX_CHECK(grow(cc, true, st, (void **)&p->rank_pre, sizeof(int32_t) * R * W, "rank prefix"));
-  EPX_CHECK(grow(cc, true, st, (void **)&p->exp_bits, sizeof(uint32_t) * E * W, "expert bitmap"));
-  EPX_CHECK(grow(cc, true, st, (void **)&p->exp_pre, sizeof(int32_t) * E * W, "expert prefix"));
+  EPX_CHECK(grow(cc, ch, st, (void **)&p->idx, sizeof(int32_t) * cap * K, "routing buffer"));
+  EPX_CHECK(grow(cc, ch, st, (void **)&p->weight, sizeof(float) * cap * K, "weight buffer"));
+  EPX_CHECK(grow(cc, ch, st, (void **)&p->rank_bits, sizeof(uint32_t) * R * W, "rank bitmap"));
+  EPX_CHECK(grow(cc, ch, st, (void **)&p->rank_pre, sizeof(int32_t) * R * W, "rank prefix"));
+  EPX_CHECK(grow(cc, ch, st, (void **)&p->exp_bits, sizeof(uint32_t) * E * W, "expert bitmap"));
+  EPX_CHECK(grow(cc, ch, st, (void **)&p->exp_pre, sizeof(int32_t) * E * W, "expert prefix"));
   p->words = W;
   ch->token_cap = cap;
   CUDA_TRY(cudaMemcpyAsync(ch->dev, p, sizeof *p, cudaMemcpyHostToDevice, st), "plan upload");
@@ -107,12 +107,12 @@ epx_status_t framed_combine_open(epx_comm_t *c, epx_handle_t *h, const epx_combi
   const int64_t recv_rows = ch->known ? ch->summary->num_rows : ch->recv_capacity;
   const size_t row_bytes = (size_t)c->cfg.hidden * epx_dtype_size(a->y_dtype);
   const void *rows = a->y;
-  if (s.expert_layout || cc->arena) {
+  if (s.expert_layout || !cc->transport->caller_memory) {
     /* The rows peers pull back, one per arrived token: the partials (expert layout), or across
      * processes y copied where the peers reach it (token layout). */
     const size_t bytes = (size_t)recv_tokens * row_bytes;
     if (!ch->partials || bytes > ch->partial_bytes) {
-      epx_status_t grown = grow(cc, true, st, &ch->partials, bytes, "combine partials");
+      epx_status_t grown = grow(cc, ch, st, &ch->partials, bytes, "combine partials");
       if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
       ch->partial_bytes = bytes;
     }
@@ -124,18 +124,18 @@ epx_status_t framed_combine_open(epx_comm_t *c, epx_handle_t *h, const epx_combi
   const float *wgrad = a->row_weight_grad;
   const int64_t wgrad_rows = s.expert_layout ? recv_rows : recv_tokens, wgrad_row_bytes =
                              (int64_t)sizeof(float) * (s.expert_layout ? 1 : c->cfg.topk);
-  if (cc->arena && wgrad) {
-    epx_status_t grown = ensure_bytes(cc, true, st, (void **)&ch->ipc_wgrad, &ch->ipc_wgrad_bytes,
+  if (!cc->transport->caller_memory && wgrad) {
+    epx_status_t grown = ensure_bytes(cc, ch, st, (void **)&ch->ipc_wgrad, &ch->ipc_wgrad_bytes,
                                       (size_t)(wgrad_rows * wgrad_row_bytes), "combine weight gradient buffer");
     if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_COMBINE, grown);
   }
   if (s.expert_layout)
     LAUNCH_TRY(epxc_combine_partials(&s, &cc->group, ch->dev, &k, st), "combine partials");
-  else if (cc->arena)
+  else if (!cc->transport->caller_memory)
     LAUNCH_TRY(epxc_stage_rows(&cc->group, ch->dev, EPXC_STAGE_RECV, a->y, ch->partials, (int64_t)row_bytes,
                                k.partial_rows, s.num_sms, st),
                "combine staging");
-  if (cc->arena && wgrad) {
+  if (!cc->transport->caller_memory && wgrad) {
     LAUNCH_TRY(epxc_stage_rows(&cc->group, ch->dev, s.expert_layout ? EPXC_STAGE_ROWS : EPXC_STAGE_RECV, wgrad,
                                ch->ipc_wgrad, wgrad_row_bytes, wgrad_rows, s.num_sms, st),
                "combine staging");

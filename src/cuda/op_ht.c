@@ -9,9 +9,9 @@ static epx_status_t ht_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispat
   cuda_handle_t *ch = h->impl;
   ch->recv_capacity = a->recv_capacity;
   const void *x = a->x;
-  if (cc->arena) { /* across processes peers reach x only in the arena */
+  if (!cc->transport->caller_memory) { /* across processes peers reach x only in the arena */
     const size_t bytes = (size_t)ch->num_tokens * c->cfg.hidden * epx_dtype_size(a->x_dtype);
-    epx_status_t grown = ensure_bytes(cc, true, st, &ch->ipc_x, &ch->ipc_x_bytes, bytes, "dispatch staging buffer");
+    epx_status_t grown = ensure_bytes(cc, ch, st, &ch->ipc_x, &ch->ipc_x_bytes, bytes, "dispatch staging buffer");
     if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_DISPATCH, grown);
     if (bytes) CUDA_TRY(cudaMemcpyAsync(ch->ipc_x, a->x, bytes, cudaMemcpyDeviceToDevice, st), "dispatch staging");
     x = ch->ipc_x;

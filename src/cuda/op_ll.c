@@ -13,14 +13,15 @@ static epx_status_t ll_create(const epx_comm_t *c, cuda_handle_t *ch, cudaStream
   const char *what = "low-latency buffers";
   for (int i = 0; i < 2; i++) {
     EPX_CHECK(plan_arrays(c, &ch->ll_plan[i], T, st));
-    EPX_CHECK(dev_alloc(cc, true, (void **)&ch->ll.plan[i], sizeof(epxc_plan_t), st, what));
+    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.plan[i], sizeof(epxc_plan_t), st, what));
     CUDA_TRY(cudaMemcpyAsync(ch->ll.plan[i], &ch->ll_plan[i], sizeof(epxc_plan_t), cudaMemcpyHostToDevice, st), what);
-    EPX_CHECK(dev_alloc(cc, true, &ch->ll.stage[i], sizeof(float) * T * H, st, what));
-    EPX_CHECK(dev_alloc(cc, true, (void **)&ch->ll.stage_scales[i], sizeof(float) * T * blocks, st, what));
-    EPX_CHECK(dev_alloc(cc, true, &ch->ll.partials[i], sizeof(float) * R * T * H, st, what));
-    if (cc->arena) EPX_CHECK(dev_alloc(cc, true, (void **)&ch->ll.wgrad[i], sizeof(float) * L * R * T, st, what));
+    EPX_CHECK(dev_alloc(cc, &ch->ll.stage[i], sizeof(float) * T * H, st, what));
+    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.stage_scales[i], sizeof(float) * T * blocks, st, what));
+    EPX_CHECK(dev_alloc(cc, &ch->ll.partials[i], sizeof(float) * R * T * H, st, what));
+    if (!cc->transport->caller_memory)
+      EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.wgrad[i], sizeof(float) * L * R * T, st, what));
   }
-  EPX_CHECK(dev_alloc(cc, false, (void **)&ch->ll_dev, sizeof(epxc_ll_t), st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->ll_dev, sizeof(epxc_ll_t), st, what));
   CUDA_TRY(cudaMemcpyAsync(ch->ll_dev, &ch->ll, sizeof(epxc_ll_t), cudaMemcpyHostToDevice, st), what);
   CUDA_TRY(wait_stream(c, st), what); /* the uploads read ch's memory */
   return EPX_SUCCESS;

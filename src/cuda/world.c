@@ -3,9 +3,9 @@
  *
  * Every operation is enqueued on the comm's stream and returns without waiting, except where
  * the caller asked for exact sizes (the handle's `exact`): then notify waits for the counts.
- * Allocations after set-up are stream-ordered, from the world's own pools (connect_devices), so
- * growing a buffer never synchronises the device nor waits on another stream while a peer's
- * kernel waits on this rank. */
+ * No device memory is allocated after the comm's arena is made (arena.c), so an operation
+ * never synchronises the device nor waits on another stream while a peer's kernel waits on
+ * this rank. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,42 +57,12 @@ cudaStream_t op_stream(const epx_comm_t *c) {
 
 /* ---- world ------------------------------------------------------------------------------ */
 
-static void free_pools(cuda_world_t *cw) {
-  for (int d = 0; cw->pools && d < cw->num_devices; d++)
-    if (cw->pools[d]) cudaMemPoolDestroy(cw->pools[d]); /* released once its last block is freed */
-  free(cw->pools);
-  cw->pools = NULL;
-}
+static void world_free(cuda_world_t *cw) { free(cw); }
 
-static void world_free(cuda_world_t *cw) {
-  free_pools(cw);
-  free(cw);
-}
-
-/* The devices of this process's ranks. epx's stream-ordered memory (plans, partials, staging)
- * comes from pools of its own, one per device, rather than the device's default pool, which
- * may let an allocation on one stream reuse a block freed on another by making the first
- * stream wait for the second (cudaMemPoolReuseAllowInternalDependencies). Between ranks whose
- * kernels wait on each other such a wait is a deadlock: the pools here never add one. Like the
- * default pool they give freed memory back at synchronisations (release threshold 0), so what
- * a broken comm keeps (its state) holds only its own block. Ranks of this process on
- * different GPUs read each other's memory directly, buffers and pools alike (a peer in another
- * process is reached through its IPC mapping, which enables what it needs). */
-static epx_status_t connect_devices(const epx_world_t *w, cuda_world_t *cw, int count) {
-  cw->num_devices = count;
-  cw->pools = calloc((size_t)count, sizeof *cw->pools);
-  if (!cw->pools) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world pools");
+/* Ranks of this process on different GPUs read each other's memory directly (a peer in
+ * another process is reached through its IPC mapping, which enables what it needs). */
+static epx_status_t connect_devices(const epx_world_t *w) {
   const int lo = w->first_rank, hi = w->first_rank + w->num_local;
-  for (int r = lo; r < hi; r++) {
-    const int d = w->devices[r];
-    if (cw->pools[d]) continue;
-    struct cudaMemPoolProps props = {.allocType = cudaMemAllocationTypePinned,
-                                     .location = {.type = cudaMemLocationTypeDevice, .id = d}};
-    CUDA_TRY(cudaMemPoolCreate(&cw->pools[d], &props), "cudaMemPoolCreate");
-    int no = 0;
-    CUDA_TRY(cudaMemPoolSetAttribute(cw->pools[d], cudaMemPoolReuseAllowInternalDependencies, &no),
-             "cudaMemPoolSetAttribute (internal dependencies)");
-  }
   for (int a = lo; a < hi; a++)
     for (int b = lo; b < hi; b++) {
       const int da = w->devices[a], db = w->devices[b];
@@ -104,9 +74,6 @@ static epx_status_t connect_devices(const epx_world_t *w, cuda_world_t *cw, int 
       cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return cuda_fail(e, "cudaDeviceEnablePeerAccess");
       cudaGetLastError();
-      struct cudaMemAccessDesc access = {.location = {.type = cudaMemLocationTypeDevice, .id = da},
-                                         .flags = cudaMemAccessFlagsProtReadWrite};
-      CUDA_TRY(cudaMemPoolSetAccess(cw->pools[db], &access, 1), "cudaMemPoolSetAccess");
     }
   CUDA_TRY(cudaSetDevice(w->devices[lo]), "cudaSetDevice");
   return EPX_SUCCESS;
@@ -122,7 +89,7 @@ epx_status_t cuda_world_create(epx_world_t *w) {
   }
   cuda_world_t *cw = calloc(1, sizeof *cw);
   if (!cw) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world");
-  epx_status_t ps = connect_devices(w, cw, count);
+  epx_status_t ps = connect_devices(w);
   if (ps != EPX_SUCCESS) {
     world_free(cw);
     return ps;
@@ -219,7 +186,6 @@ epx_status_t cuda_comm_init(epx_comm_t *c) {
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;
-  cc->pool = cw->pools[dev];
   /* one stream per rank: each stream made takes a hardware queue (see epxi_cuda_available) */
   cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&cc->order, cudaEventDisableTiming);
@@ -232,30 +198,15 @@ epx_status_t cuda_comm_init(epx_comm_t *c) {
   cc->group.nranks = c->nranks;
   cc->group.errors = cw->errors_dev;
   cc->group.timeout_ns = (uint64_t)c->cfg.timeout_ms * 1000000ull;
-  if (cross_process(w)) {
-    epx_status_t s = ipc_open(c, cc);
-    if (s != EPX_SUCCESS) {
-      comm_free(cc);
-      return s;
-    }
-  } else {
-    /* Stream-ordered, like every allocation after set-up: another group on this GPU may have
-     * kernels waiting that a device-wide sync would stall. */
-    e = cudaMallocFromPoolAsync((void **)&cc->state, sizeof(epxc_state_t), cc->pool, cc->own_stream);
-    if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
-    if (e != cudaSuccess) {
-      comm_free(cc);
-      return cuda_fail(e, "comm state");
-    }
-    void *states[EPX_MAX_RANKS];
-    epx_status_t s = epxi_group_allgather(w->group, c->rank, "comm_init:cuda", c->cfg.timeout_ms, &cc->state,
-                                          sizeof(void *), states);
-    if (s != EPX_SUCCESS) { /* a peer may have the state already: keep it (a few KB) */
-      comm_free(cc);
-      return s;
-    }
-    for (int r = 0; r < c->nranks; r++) cc->group.state[r] = states[r];
+  /* Everything peers reach lives in the comm's arena, made now, while no rank of the group
+   * can be inside an operation (this is collective). It may grow later only where growing
+   * cannot stall a peer: no other rank of this process on this GPU. */
+  cc->transport = cross_process(w) ? &epxc_transport_ipc : &epxc_transport_inproc;
+  epx_status_t s = cc->transport->open(c, cc, arena_size(c, sharing, prop.totalGlobalMem),
+                                       !cross_process(w) && sharing == 1);
+  if (s != EPX_SUCCESS) {
+    comm_free(cc);
+    return s;
   }
   cc->shape = (epxc_shape_t){.nranks = c->nranks, .rank = c->rank, .num_experts = c->cfg.num_experts,
                              .num_local = c->num_local_experts, .topk = c->cfg.topk, .hidden = c->cfg.hidden,
@@ -264,25 +215,14 @@ epx_status_t cuda_comm_init(epx_comm_t *c) {
   return EPX_SUCCESS;
 }
 
-/* After a healthy run every post to this rank was consumed by one of its own exchanges, so
- * its state can go. After a failure a late peer may still post to it: in one process it is
- * then kept (a few KB), so no new comm gets that memory; across processes the arena goes
- * (see ipc_close). */
+/* The transport frees the arena once this rank's work is done (see its close). */
 void cuda_comm_destroy(epx_comm_t *c) {
   cuda_comm_t *cc = CC(c);
   if (!cc) return;
   cudaSetDevice(cc->device);
   cudaStream_t st = stream_of(c);
   wait_stream(c, st);
-  if (cc->arena) {
-    if (cc->last_stream && cc->last_stream != st) wait_stream(c, cc->last_stream);
-    ipc_close(c, cc, true);
-  } else {
-    const int status = ((volatile epxc_error_t *)((cuda_world_t *)c->world->impl)->errors_host)[c->rank].status;
-    if (!c->broken && !fatal_status(status)) {
-      cudaFreeAsync(cc->state, st);
-      cudaStreamSynchronize(st);
-    }
-  }
+  if (cc->last_stream && cc->last_stream != st) wait_stream(c, cc->last_stream);
+  cc->transport->close(c, cc);
   comm_free(cc);
 }
