@@ -520,10 +520,8 @@ int main(int argc, char **argv) {
   int pr = parse(argc, argv, &b.o);
   if (pr) return pr > 0 ? 0 : 2;
   opts_t *o = &b.o;
-  if (o->backend == EPX_BACKEND_CUDA && epx_backend_available(EPX_BACKEND_CUDA) != EPX_SUCCESS) {
-    fprintf(stderr, "epx-bench: the CUDA backend is not available: %s\n", epx_last_error());
-    return 2;
-  }
+  /* No availability check first: it would start CUDA before the world can set what ranks
+   * sharing a GPU need; the world's creation fails as clearly. */
   epx_world_config_t wc;
   epx_world_config_init(&wc);
   wc.backend = o->backend;

@@ -199,6 +199,9 @@ extern const epxi_backend_t epxi_host_backend;
 #ifdef EPX_HAVE_CUDA
 extern const epxi_backend_t epxi_cuda_backend;
 epx_status_t epxi_cuda_available(void);
+/* Before a world of ranks [first_rank, first_rank + num_local) is made: the environment that
+ * ranks of one process sharing a GPU need, set if they would (cuda/env.c). */
+void epxi_cuda_world_env(const epx_world_config_t *wc, int first_rank, int num_local);
 #endif
 
 /* ---- routing (routing.c) --------------------------------------------------------------- */

@@ -16,15 +16,9 @@ epx_status_t cuda_fail(cudaError_t e, const char *what) {
   return epxi_fail(EPX_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
-/* Kernels of the ranks sharing a GPU wait on each other, so no rank's stream may queue behind
- * another's in one hardware queue: ask for as many queues as CUDA has (the default is 8). This
- * only takes effect before CUDA starts in this process; a framework that starts CUDA first
- * should set the variable itself. */
+/* Starts CUDA in this process: the environment ranks sharing a GPU need is set before, by the
+ * creation of such a world (env.c), not here. */
 epx_status_t epxi_cuda_available(void) {
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-  /* Lazy module loading can make a first launch wait for the device to go idle: with ranks'
-   * kernels waiting on each other that is a deadlock until the timeout. Same caveat. */
-  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0)
@@ -186,7 +180,7 @@ epx_status_t cuda_comm_init(epx_comm_t *c) {
   cuda_comm_t *cc = calloc(1, sizeof *cc);
   if (!cc) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda comm");
   cc->device = dev;
-  /* one stream per rank: each stream made takes a hardware queue (see epxi_cuda_available) */
+  /* one stream per rank: each stream made takes a hardware queue (see env.c) */
   cudaError_t e = cudaStreamCreateWithFlags(&cc->own_stream, cudaStreamNonBlocking);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&cc->order, cudaEventDisableTiming);
   if (e != cudaSuccess) {
