@@ -1,4 +1,4 @@
-/* What the CUDA backend's host side (backend.c, C11) and its kernels (*.cu) share: the
+/* What the CUDA backend's host side (backend.h, C11) and its kernels (*.cu) share: the
  * device-resident structures and the launchers' signatures.
  *
  * The model: ranks pull. Every operation is a few work kernels (which never wait on a peer)
@@ -110,12 +110,15 @@ typedef enum {
   EPXC_PH_COUNT
 } epxc_phase_t;
 
-/* What every kernel needs to reach the group. Passed by value.
+/* What every kernel needs to reach the group: the seam between the kernels and a transport.
+ * The transport that made the comm (src/cuda/transport_*.c) fills state[] and delta[]; the
+ * world fills errors. Passed by value.
  *
  * Addresses a peer publishes (exchange words, the pointers inside its plan) are its own. In
- * one process they are this rank's too; across processes each rank maps every peer's arena
- * (see backend.c) wherever CUDA IPC put it, so a peer's address p is reached at
- * p + delta[peer] (device helper peer_ptr). delta is 0 in one process. */
+ * one process they are this rank's too (delta 0); across processes each rank maps every
+ * peer's arena wherever CUDA IPC put it, so a peer's address p is reached at p + delta[peer]
+ * (device helper peer_ptr). The flags a rank waits on are in its own state's mailboxes; the
+ * error words every rank's kernels watch are errors[]. */
 typedef struct {
   int rank, nranks;
   epxc_state_t *state[EPX_MAX_RANKS]; /* every rank's state, this one included, as reached here */

@@ -44,10 +44,11 @@ static epx_status_t a2a_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispa
   epx_status_t grown = ensure_a2a(c, ch, a, s->expert_layout, st);
   if (grown != EPX_SUCCESS) return cuda_abort(c, h, EPXI_OP_DISPATCH, grown);
   const epxc_a2a_t *b = &ch->a2a;
-  const epxc_words_t words = {.a2a_dispatch = {.send_x = (uint64_t)(uintptr_t)b->send_x,
-                                               .send_scales = (uint64_t)(uintptr_t)b->send_scales,
-                                               .send_token = (uint64_t)(uintptr_t)b->send_token,
-                                               .send_weight = (uint64_t)(uintptr_t)b->send_weight}};
+  epxc_words_t words = {{0}};
+  words.a2a_dispatch.send_x = (uint64_t)(uintptr_t)b->send_x;
+  words.a2a_dispatch.send_scales = (uint64_t)(uintptr_t)b->send_scales;
+  words.a2a_dispatch.send_token = (uint64_t)(uintptr_t)b->send_token;
+  words.a2a_dispatch.send_weight = (uint64_t)(uintptr_t)b->send_weight;
   LAUNCH_TRY(epxc_a2a_permute(s, &cc->group, ch->dev, b, d, st), "all-to-all permute");
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, st), "dispatch exchange");
   LAUNCH_TRY(epxc_a2a_gather(s, &cc->group, ch->dev, b, d, st), "all-to-all gather");

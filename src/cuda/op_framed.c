@@ -76,7 +76,9 @@ epx_status_t framed_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *
                                r->idx_dtype, r->topk_idx ? r->topk_weights : NULL,
                                r->topk_idx ? NULL : r->routing_map, r->topk_idx ? NULL : r->probs, st),
              "notify kernels");
-  const epxc_words_t words = {.notify = {.plan = (uint64_t)(uintptr_t)ch->dev, .num_tokens = (uint64_t)r->num_tokens}};
+  epxc_words_t words = {{0}};
+  words.notify.plan = (uint64_t)(uintptr_t)ch->dev;
+  words.notify.num_tokens = (uint64_t)r->num_tokens;
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY, &words, &ch->dev->status, st), "notify exchange");
   LAUNCH_TRY(epxc_notify_finish(&s, &cc->group, ch->dev, st), "notify finish");
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY_DONE, NULL, NULL, st), "notify closing exchange");
@@ -141,7 +143,9 @@ epx_status_t framed_combine_open(epx_comm_t *c, epx_handle_t *h, const epx_combi
                "combine staging");
     wgrad = ch->ipc_wgrad;
   }
-  const epxc_words_t words = {.combine = {.rows = (uint64_t)(uintptr_t)rows, .row_weight_grad = (uint64_t)(uintptr_t)wgrad}};
+  epxc_words_t words = {{0}};
+  words.combine.rows = (uint64_t)(uintptr_t)rows;
+  words.combine.row_weight_grad = (uint64_t)(uintptr_t)wgrad;
   /* a rank whose dispatch wrote nothing makes every rank skip this combine */
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, &words, &ch->dev->refused, st), "combine exchange");
   *kp = k;
@@ -166,7 +170,8 @@ epx_status_t framed_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_stat
                                   [EPXI_OP_DISPATCH] = {EPXC_PH_DISPATCH, EPXC_PH_DISPATCH_DONE},
                                   [EPXI_OP_NOTIFY_DISPATCH] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
                                   [EPXI_OP_COMBINE] = {EPXC_PH_COMBINE, EPXC_PH_COMBINE_DONE}};
-  const epxc_words_t words = {.status = (uint64_t)(uint32_t)status};
+  epxc_words_t words = {{0}};
+  words.status = (uint64_t)(uint32_t)status;
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], &words, NULL, st), "exchange");
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, st), "exchange");
   if (op == EPXI_OP_NOTIFY_DISPATCH && !h->hc.exact) {

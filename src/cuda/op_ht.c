@@ -16,7 +16,8 @@ static epx_status_t ht_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispat
     if (bytes) CUDA_TRY(cudaMemcpyAsync(ch->ipc_x, a->x, bytes, cudaMemcpyDeviceToDevice, st), "dispatch staging");
     x = ch->ipc_x;
   }
-  const epxc_words_t words = {.ht_dispatch = {.x = (uint64_t)(uintptr_t)x}};
+  epxc_words_t words = {{0}};
+  words.ht_dispatch.x = (uint64_t)(uintptr_t)x;
   LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, st), "dispatch exchange");
   LAUNCH_TRY(epxc_dispatch(s, &cc->group, ch->dev, d, st), "dispatch kernel");
   return framed_dispatch_close(c, ch, a, st);

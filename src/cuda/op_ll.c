@@ -94,7 +94,8 @@ static epx_status_t ll_combine_complete(epx_comm_t *c, epx_handle_t *h, const ep
 
 /* One exchange per operation, none in notify: post this rank's status in it. */
 static epx_status_t ll_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st) {
-  const epxc_words_t words = {.status = (uint64_t)(uint32_t)status};
+  epxc_words_t words = {{0}};
+  words.status = (uint64_t)(uint32_t)status;
   if (op != EPXI_OP_NOTIFY)
     LAUNCH_TRY(epxc_exchange(&CC(c)->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, &words,
                              NULL, st),
