@@ -86,9 +86,11 @@ void epxi_cuda_world_env(const epx_world_config_t *wc, int first_rank, int num_l
   const bool set_queues = !getenv("CUDA_DEVICE_MAX_CONNECTIONS"), set_loading = !getenv("CUDA_MODULE_LOADING");
   if (set_queues) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   if (set_loading) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-  if (set_queues && st.context)
-    EPX_WARN("ranks of this process share a GPU, but CUDA started before epx could set CUDA_DEVICE_MAX_CONNECTIONS=32: "
-             "set it before CUDA starts (a rank's stream may queue behind another's and stall the group)");
+  if (set_queues && st.initialised)
+    EPX_WARN("ranks of this process share a GPU, but CUDA started (%s) before epx set CUDA_DEVICE_MAX_CONNECTIONS=32, "
+             "which may then not take effect: set it before CUDA starts (a rank's stream may queue behind another's "
+             "and stall the group)",
+             st.context ? "a GPU's context exists" : "initialised");
   if (set_loading && st.lazy)
     EPX_WARN("ranks of this process share a GPU, but CUDA started with lazy module loading before epx could set "
              "CUDA_MODULE_LOADING=EAGER: set it before CUDA starts (a kernel's first launch may stall the group; "
