@@ -39,7 +39,7 @@ void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p) {
 
 /* Handles are made while peers may already wait on this rank in an exchange: nothing here may
  * synchronise the device, so every buffer is carved from the comm's arena. */
-static epx_status_t cuda_handle_create(epx_handle_t *h) {
+static epx_status_t handle_make(epx_handle_t *h) {
   cuda_handle_t *ch = calloc(1, sizeof *ch);
   const epx_comm_t *c = h->comm;
   cuda_comm_t *cc = CC(c);
@@ -61,6 +61,18 @@ static epx_status_t cuda_handle_create(epx_handle_t *h) {
   CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), what);
   if (ch->algo->create) EPX_CHECK(ch->algo->create(c, ch, st));
   return EPX_SUCCESS;
+}
+
+static void cuda_handle_destroy(epx_handle_t *h);
+
+/* A handle that could not be made gives back what it took of the arena. */
+static epx_status_t cuda_handle_create(epx_handle_t *h) {
+  const epx_status_t s = handle_make(h);
+  if (s != EPX_SUCCESS) {
+    cuda_handle_destroy(h);
+    h->impl = NULL;
+  }
+  return s;
 }
 
 static void cuda_handle_destroy(epx_handle_t *h) {

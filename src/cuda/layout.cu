@@ -38,8 +38,8 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
   if (tokens_per_rank) cudaMemsetAsync(tokens_per_rank, 0, sizeof(int32_t) * s->nranks, st);
   if (tokens_per_expert) cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * s->num_experts, st);
   if (T > 0)
-    layout_kernel<<<s->num_sms, EPXC_LAYOUT_THREADS, 0, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank, tokens_per_expert,
-                                              is_token_in_rank);
+    layout_kernel<<<s->num_sms, EPXC_LAYOUT_THREADS, 0, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank,
+                                                              tokens_per_expert, is_token_in_rank);
   return (int)cudaGetLastError();
 }
 
