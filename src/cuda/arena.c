@@ -3,8 +3,10 @@
  * carved by the range allocator (core/suballoc.c). Every device buffer of the comm's handles
  * comes from it: what peers read and write (plans, staging, partials, send buffers) and what
  * only this rank uses. Nothing is allocated from the device once the arena is made, except
- * where that cannot stall a peer (arena_extend). */
+ * where that cannot stall a peer (arena_extend), and in one process nothing is freed before
+ * the world goes: a destroyed comm's memory is kept for the next comm (world_block_*). */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "cuda/backend.h"
 
@@ -39,33 +41,96 @@ size_t arena_size(const epx_comm_t *c, int sharing, size_t device_bytes) {
   return round_up(need < floor ? floor : need > cap ? cap : need, ARENA_GRAIN);
 }
 
-static epx_status_t chunk_make(arena_chunk_t *k, size_t bytes, const char *who) {
-  cudaError_t e = cudaMalloc((void **)&k->base, bytes);
-  if (e != cudaSuccess) {
-    k->base = NULL;
+/* ---- the world's kept blocks ---------------------------------------------------------------- */
+
+void *world_block_take(cuda_world_t *cw, int device, size_t bytes, size_t *got, cudaError_t *err) {
+  pthread_mutex_lock(&cw->kept_lock);
+  int best = -1;
+  for (int i = 0; i < cw->num_kept; i++) {
+    const kept_block_t *k = &cw->kept[i];
+    if (k->device == device && k->bytes >= bytes && k->bytes / 2 <= bytes && (best < 0 || k->bytes < cw->kept[best].bytes))
+      best = i;
+  }
+  char *p = NULL;
+  if (best >= 0) {
+    p = cw->kept[best].base;
+    *got = cw->kept[best].bytes;
+    cw->kept[best] = cw->kept[--cw->num_kept];
+  }
+  pthread_mutex_unlock(&cw->kept_lock);
+  *err = cudaSuccess;
+  if (p) return p;
+  *got = bytes;
+  *err = cudaMalloc((void **)&p, bytes);
+  return *err == cudaSuccess ? p : NULL;
+}
+
+void world_block_give(cuda_world_t *cw, int device, void *p, size_t bytes) {
+  if (!p) return;
+  pthread_mutex_lock(&cw->kept_lock);
+  if (cw->num_kept == cw->kept_cap) {
+    const int cap = cw->kept_cap ? 2 * cw->kept_cap : 16;
+    kept_block_t *more = realloc(cw->kept, sizeof *more * (size_t)cap);
+    if (more) cw->kept = more, cw->kept_cap = cap;
+  }
+  const bool room = cw->num_kept < cw->kept_cap;
+  if (room) cw->kept[cw->num_kept++] = (kept_block_t){device, p, bytes};
+  pthread_mutex_unlock(&cw->kept_lock);
+  if (!room) EPX_WARN("device %d: %zu bytes of a destroyed comm not kept (no host memory): lost until exit", device, bytes);
+}
+
+/* At world destroy: nothing of the world runs any more. */
+void world_blocks_free(cuda_world_t *cw) {
+  for (int i = 0; i < cw->num_kept; i++) {
+    cudaSetDevice(cw->kept[i].device);
+    cudaFree(cw->kept[i].base);
+  }
+  free(cw->kept);
+  cw->kept = NULL;
+  cw->num_kept = cw->kept_cap = 0;
+}
+
+/* ---- arenas ---------------------------------------------------------------------------------- */
+
+static epx_status_t chunk_make(const arena_t *a, arena_chunk_t *k, size_t bytes, const char *who) {
+  cudaError_t e = cudaSuccess;
+  size_t got = bytes;
+  if (a->keep) {
+    k->base = world_block_take(a->keep, a->device, bytes, &got, &e);
+  } else {
+    e = cudaMalloc((void **)&k->base, bytes);
+    if (e != cudaSuccess) k->base = NULL;
+  }
+  if (!k->base) {
     cudaGetLastError();
     return epxi_fail(e == cudaErrorMemoryAllocation ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_CUDA,
                      "%s: an arena of %zu MiB: %s (EPX_ARENA_MB sets the size)", who, bytes >> 20, cudaGetErrorString(e));
   }
-  k->bytes = bytes;
-  if (epxi_suballoc_init(&k->heap, bytes, ARENA_ALIGN) != 0) {
-    cudaFree(k->base);
+  k->bytes = got;
+  if (epxi_suballoc_init(&k->heap, got, ARENA_ALIGN) != 0) {
+    if (a->keep)
+      world_block_give(a->keep, a->device, k->base, got);
+    else
+      cudaFree(k->base);
     k->base = NULL;
     return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "%s: arena bookkeeping", who);
   }
   return EPX_SUCCESS;
 }
 
-epx_status_t arena_make(arena_t *a, size_t bytes, bool growable, const char *who) {
-  *a = (arena_t){.growable = growable};
-  EPX_CHECK(chunk_make(&a->chunk[0], bytes, who));
+epx_status_t arena_make(arena_t *a, size_t bytes, bool growable, cuda_world_t *keep, int device, const char *who) {
+  *a = (arena_t){.growable = growable, .keep = keep, .device = device};
+  EPX_CHECK(chunk_make(a, &a->chunk[0], bytes, who));
   a->chunks = 1;
   return EPX_SUCCESS;
 }
 
 void arena_free(arena_t *a) {
   for (int i = 0; i < a->chunks; i++) {
-    cudaFree(a->chunk[i].base);
+    if (a->keep)
+      world_block_give(a->keep, a->device, a->chunk[i].base, a->chunk[i].bytes);
+    else
+      cudaFree(a->chunk[i].base);
     epxi_suballoc_destroy(&a->chunk[i].heap);
   }
   *a = (arena_t){0};
@@ -102,7 +167,7 @@ static epx_status_t arena_extend(cuda_comm_t *cc, size_t bytes, cudaStream_t st,
   const size_t half = a->chunk[0].bytes / 2;
   char who[64];
   snprintf(who, sizeof who, "rank %d", cc->group.rank);
-  EPX_CHECK(chunk_make(&a->chunk[a->chunks], round_up(bytes > half ? bytes : half, ARENA_GRAIN), who));
+  EPX_CHECK(chunk_make(a, &a->chunk[a->chunks], round_up(bytes > half ? bytes : half, ARENA_GRAIN), who));
   a->chunks++;
   return EPX_SUCCESS;
 }

@@ -13,15 +13,29 @@
 #define EPX_CUDA_BACKEND_H
 
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <stdbool.h>
 
 #include "core/internal.h"
 #include "cuda/cuda_shared.h"
 
+/* A cudaMalloc'd block a comm of this process gave back (arena.c). */
+typedef struct {
+  int device;
+  char *base;
+  size_t bytes;
+} kept_block_t;
+
 typedef struct {
   epxc_error_t *errors_host; /* [R], host-mapped */
   epxc_error_t *errors_dev;
   bool shared;               /* across processes: errors_host is the group's shared page, registered */
+  /* In one process, device memory a destroyed comm gave back, for the next comm on the same
+   * GPU: cudaFree synchronises the GPU, which would stall peers inside an operation, so it
+   * happens only at world destroy. */
+  pthread_mutex_t kept_lock;
+  kept_block_t *kept;
+  int num_kept, kept_cap;
 } cuda_world_t;
 
 /* One cudaMalloc'd piece of an arena, carved by `heap`. */
@@ -38,7 +52,9 @@ typedef struct {
 typedef struct {
   arena_chunk_t chunk[EPXC_ARENA_CHUNKS];
   int chunks;
-  bool growable; /* one process, and no other rank of it on this GPU */
+  bool growable;      /* one process, and no other rank of it on this GPU */
+  cuda_world_t *keep; /* where freed chunks go (one process), NULL: cudaFree (across processes) */
+  int device;
 } arena_t;
 
 typedef struct cuda_transport cuda_transport_t;
@@ -174,8 +190,15 @@ cudaStream_t op_stream(const epx_comm_t *c);
 /* The default size of a comm's arena for `sharing` ranks of this process on a GPU of
  * `device_bytes` (the README's formula), or EPX_ARENA_MB. */
 size_t arena_size(const epx_comm_t *c, int sharing, size_t device_bytes);
-epx_status_t arena_make(arena_t *a, size_t bytes, bool growable, const char *who);
+/* Chunk 0 of `bytes`, from what `keep` kept of an earlier comm on `device` when it can (keep
+ * NULL: a fresh cudaMalloc, freed by cudaFree); the device must be current. */
+epx_status_t arena_make(arena_t *a, size_t bytes, bool growable, cuda_world_t *keep, int device, const char *who);
 void arena_free(arena_t *a);
+/* Device memory of the world's (see cuda_world_t.kept): a kept block of at least `bytes` (at
+ * most twice as large) or a new one; given back for a later comm; all freed at world destroy. */
+void *world_block_take(cuda_world_t *cw, int device, size_t bytes, size_t *got, cudaError_t *err);
+void world_block_give(cuda_world_t *cw, int device, void *p, size_t bytes);
+void world_blocks_free(cuda_world_t *cw);
 size_t arena_in_use(const arena_t *a);
 size_t arena_bytes(const arena_t *a);
 /* A buffer of the comm's arena; EPX_ERR_OUT_OF_MEMORY, naming EPX_ARENA_MB, when it does not fit. */

@@ -13,14 +13,16 @@ typedef struct {
   int32_t status, pad;
 } inproc_card_t;
 
-/* The state is a small allocation of its own, beside the arena: after a failure a late peer
- * may still post to it, so it is then kept (inproc_close) while the arena goes. */
-static epx_status_t state_make(cuda_comm_t *cc) {
-  cudaError_t e = cudaMalloc((void **)&cc->state, sizeof(epxc_state_t));
+/* The state is a small block of its own, beside the arena: after a failure a late peer may
+ * still post to it, so it is then never reused (inproc_close), while the arena is. */
+static epx_status_t state_make(cuda_world_t *cw, cuda_comm_t *cc) {
+  size_t got = 0;
+  cudaError_t e = cudaSuccess;
+  cc->state = world_block_take(cw, cc->device, sizeof(epxc_state_t), &got, &e);
   if (e == cudaSuccess) e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(cc->own_stream);
   if (e == cudaSuccess) return EPX_SUCCESS;
-  if (cc->state) cudaFree(cc->state);
+  if (cc->state) world_block_give(cw, cc->device, cc->state, got);
   cc->state = NULL;
   cudaGetLastError();
   return cuda_fail(e, "comm state");
@@ -30,8 +32,9 @@ static epx_status_t inproc_open(epx_comm_t *c, cuda_comm_t *cc, size_t bytes, bo
   const int R = c->nranks, me = c->rank;
   char who[64];
   snprintf(who, sizeof who, "rank %d", me);
-  epx_status_t s = arena_make(&cc->arena, bytes, growable, who);
-  if (s == EPX_SUCCESS) s = state_make(cc);
+  cuda_world_t *cw = c->world->impl;
+  epx_status_t s = arena_make(&cc->arena, bytes, growable, cw, cc->device, who);
+  if (s == EPX_SUCCESS) s = state_make(cw, cc);
   char why[1024] = "";
   if (s != EPX_SUCCESS) snprintf(why, sizeof why, "%s", epx_last_error());
   inproc_card_t mine = {.state = (uint64_t)(uintptr_t)cc->state, .status = s}, cards[EPX_MAX_RANKS];
@@ -42,7 +45,7 @@ static epx_status_t inproc_open(epx_comm_t *c, cuda_comm_t *cc, size_t bytes, bo
     arena_free(&cc->arena);
     /* every rank saw the same cards: nobody posts to this state; after a failed allgather a
      * peer may have it already: keep it (a few KB) */
-    if (x == EPX_SUCCESS && cc->state) cudaFree(cc->state);
+    if (x == EPX_SUCCESS && cc->state) world_block_give(cw, cc->device, cc->state, sizeof(epxc_state_t));
     cc->state = NULL;
     if (s != EPX_SUCCESS) return epxi_fail(s, "%s", why);
     if (x != EPX_SUCCESS) return x;
@@ -56,14 +59,17 @@ static epx_status_t inproc_open(epx_comm_t *c, cuda_comm_t *cc, size_t bytes, bo
   return EPX_SUCCESS;
 }
 
-/* After a healthy run every post to this rank was consumed by one of its own exchanges, so
- * its state can go; after a failure it is kept, so no new comm gets memory a late peer may
- * still post to. Freeing the arena synchronises this GPU: the peers on it finish reading it
- * first (a low-latency peer may still be reading what this rank's last call staged). */
+/* Nothing is freed (cudaFree would synchronise the GPU while peers may be inside an
+ * operation): the arena and the state are kept by the world for the next comm. After a
+ * healthy run every post to this rank was consumed by one of its own exchanges, so the state
+ * may be reused; after a failure a late peer may still post to it, so it is left alone (a few
+ * KB, until exit). The arena peers only read; a later comm's writes to it come after its
+ * collective init, which every rank reaches only once its own work on this comm is done. */
 static void inproc_close(epx_comm_t *c, cuda_comm_t *cc) {
-  const int status = ((volatile epxc_error_t *)((cuda_world_t *)c->world->impl)->errors_host)[c->rank].status;
+  cuda_world_t *cw = c->world->impl;
+  const int status = ((volatile epxc_error_t *)cw->errors_host)[c->rank].status;
   arena_free(&cc->arena);
-  if (!c->broken && !fatal_status(status) && cc->state) cudaFree(cc->state);
+  if (!c->broken && !fatal_status(status)) world_block_give(cw, cc->device, cc->state, sizeof(epxc_state_t));
   cc->state = NULL;
 }
 

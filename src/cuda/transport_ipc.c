@@ -48,7 +48,7 @@ static epx_status_t ipc_open(epx_comm_t *c, cuda_comm_t *cc, size_t bytes, bool 
   epx_status_t s = EPX_SUCCESS;
   char who[64];
   snprintf(who, sizeof who, "rank %d (across processes)", me);
-  s = arena_make(&cc->arena, bytes, false, who);
+  s = arena_make(&cc->arena, bytes, false, NULL, cc->device, who);
   if (s == EPX_SUCCESS) s = dev_alloc(cc, (void **)&cc->state, sizeof(epxc_state_t), cc->own_stream, "comm state");
   if (s == EPX_SUCCESS) {
     cudaError_t e = cudaMemsetAsync(cc->state, 0, sizeof(epxc_state_t), cc->own_stream);

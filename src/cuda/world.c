@@ -51,7 +51,11 @@ cudaStream_t op_stream(const epx_comm_t *c) {
 
 /* ---- world ------------------------------------------------------------------------------ */
 
-static void world_free(cuda_world_t *cw) { free(cw); }
+static void world_free(cuda_world_t *cw) {
+  world_blocks_free(cw);
+  pthread_mutex_destroy(&cw->kept_lock);
+  free(cw);
+}
 
 /* Ranks of this process on different GPUs read each other's memory directly (a peer in
  * another process is reached through its IPC mapping, which enables what it needs). */
@@ -83,6 +87,7 @@ epx_status_t cuda_world_create(epx_world_t *w) {
   }
   cuda_world_t *cw = calloc(1, sizeof *cw);
   if (!cw) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cuda world");
+  pthread_mutex_init(&cw->kept_lock, NULL);
   epx_status_t ps = connect_devices(w);
   if (ps != EPX_SUCCESS) {
     world_free(cw);
