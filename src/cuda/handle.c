@@ -148,11 +148,22 @@ static epx_status_t cuda_handle_info(const epx_handle_t *h, epx_handle_info_t *i
 
 /* ---- dispatch and combine ------------------------------------------------------------------ */
 
+/* Where a dispatch or combine runs: its stream (op_begin) and the handle's shape. */
+typedef struct {
+  cudaStream_t st;
+  epxc_shape_t s;
+} op_place_t;
+
+static epx_status_t op_place(epx_comm_t *c, epx_handle_t *h, op_place_t *at) {
+  EPX_CHECK(op_begin(c, ch_of(h), &at->st));
+  at->s = shape_of(c, h);
+  return EPX_SUCCESS;
+}
+
 static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a) {
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st;
-  EPX_CHECK(op_begin(c, ch, &st));
-  epxc_shape_t s = shape_of(c, h);
+  op_place_t at;
+  EPX_CHECK(op_place(c, h, &at));
   epxc_dispatch_t d = {.x = a->x, .x_dtype = a->x_dtype, .recv_dtype = a->recv_dtype, .recv_x = a->recv_x,
                        .recv_scales = a->recv_scales, .recv_capacity = a->recv_capacity,
                        .recv_topk_idx = a->recv_topk_idx, .recv_topk_weights = a->recv_topk_weights,
@@ -161,29 +172,28 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
   d.report_capacity = !ch->known;
   d.part = a->part;
   if (a->part == EPX_PART_COMPLETE) /* SEND did it all, or (low-latency) left the rest */
-    return ch->algo->dispatch_complete ? ch->algo->dispatch_complete(c, h, &s, st) : EPX_SUCCESS;
+    return ch->algo->dispatch_complete ? ch->algo->dispatch_complete(c, h, &at.s, at.st) : EPX_SUCCESS;
   if (!a->x && ch->num_tokens > 0)
     return cuda_abort(c, h, EPXI_OP_DISPATCH,
                       epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", c->rank,
                                 (long long)ch->num_tokens));
-  return ch->algo->dispatch(c, h, a, &s, &d, st);
+  return ch->algo->dispatch(c, h, a, &at.s, &d, at.st);
 }
 
 static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine_args_t *a) {
   cuda_handle_t *ch = h->impl;
-  cudaStream_t st;
-  EPX_CHECK(op_begin(c, ch, &st));
-  epxc_shape_t s = shape_of(c, h);
+  op_place_t at;
+  EPX_CHECK(op_place(c, h, &at));
   epxc_combine_t k = {.y = a->y, .y_dtype = a->y_dtype, .out = a->out, .out_dtype = a->out_dtype,
                       .weighted = a->weighted, .row_probs = a->row_probs, .row_weight_grad = a->row_weight_grad,
                       .topk_weight_grad = a->topk_weight_grad};
   k.part = a->part;
   if (a->part == EPX_PART_COMPLETE) /* SEND did it all, or (low-latency) left the rest */
-    return ch->algo->combine_complete ? ch->algo->combine_complete(c, h, &s, st) : EPX_SUCCESS;
+    return ch->algo->combine_complete ? ch->algo->combine_complete(c, h, &at.s, at.st) : EPX_SUCCESS;
   if ((!a->out && ch->num_tokens > 0) || !a->y)
     return cuda_abort(c, h, EPXI_OP_COMBINE,
                       epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: %s is NULL", c->rank, a->y ? "out" : "y"));
-  return ch->algo->combine(c, h, a, &s, &k, st);
+  return ch->algo->combine(c, h, a, &at.s, &k, at.st);
 }
 
 /* Takes part in `op` as far as the peers need, as the handle's algorithm frames it. */
