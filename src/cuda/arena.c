@@ -79,12 +79,15 @@ void world_block_give(cuda_world_t *cw, int device, void *p, size_t bytes) {
   if (!room) EPX_WARN("device %d: %zu bytes of a destroyed comm not kept (no host memory): lost until exit", device, bytes);
 }
 
-/* At world destroy: nothing of the world runs any more. */
+/* At world destroy: nothing of the world runs any more. The caller's device stays current. */
 void world_blocks_free(cuda_world_t *cw) {
+  int current = -1;
+  if (cw->num_kept) cudaGetDevice(&current);
   for (int i = 0; i < cw->num_kept; i++) {
     cudaSetDevice(cw->kept[i].device);
     cudaFree(cw->kept[i].base);
   }
+  if (current >= 0) cudaSetDevice(current);
   free(cw->kept);
   cw->kept = NULL;
   cw->num_kept = cw->kept_cap = 0;
