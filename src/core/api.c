@@ -82,6 +82,9 @@ void epx_world_config_init(epx_world_config_t *wc) {
 static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int num_local, epxi_exchange_fn exchange,
                                void *ctx, epx_world_t **world) {
   epx_backend_t backend = wc->backend;
+#ifdef EPX_HAVE_CUDA
+  if (backend != EPX_BACKEND_HOST) epxi_cuda_world_env(wc, first_rank, num_local); /* before CUDA starts */
+#endif
   if (backend == EPX_BACKEND_AUTO)
     backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
   EPX_CHECK(epx_backend_available(backend));

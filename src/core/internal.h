@@ -26,7 +26,7 @@ void epxi_log(epxi_log_level_t level, const char *fmt, ...) __attribute__((forma
 typedef struct {
   int timeout_ms;        /* EPX_TIMEOUT_MS, default 30000 */
   int num_sms;           /* EPX_NUM_SMS, default 16 */
-  int ipc_arena_mb;      /* EPX_IPC_ARENA_MB: the CUDA backend's cross-process arena; 0 = from the config */
+  int arena_mb;          /* EPX_ARENA_MB (old name EPX_IPC_ARENA_MB): a CUDA comm's arena; 0 = from the config */
   epxi_log_level_t log;  /* EPX_DEBUG=WARN|INFO */
 } epxi_env_t;
 const epxi_env_t *epxi_env(void);
@@ -256,6 +256,9 @@ extern const epxi_backend_t epxi_host_backend;
 #ifdef EPX_HAVE_CUDA
 extern const epxi_backend_t epxi_cuda_backend;
 epx_status_t epxi_cuda_available(void);
+/* Before a world of ranks [first_rank, first_rank + num_local) is made: the environment that
+ * ranks of one process sharing a GPU need, set if they would (cuda/env.c). */
+void epxi_cuda_world_env(const epx_world_config_t *wc, int first_rank, int num_local);
 #endif
 
 /* ---- routing (routing.c) --------------------------------------------------------------- */

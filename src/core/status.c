@@ -71,7 +71,7 @@ static int env_int(const char *name, int fallback, int lo, int hi) {
 static void env_read(void) {
   env.timeout_ms = env_int("EPX_TIMEOUT_MS", 30000, 1, 86400000);
   env.num_sms = env_int("EPX_NUM_SMS", 16, 1, 1024);
-  env.ipc_arena_mb = env_int("EPX_IPC_ARENA_MB", 0, 0, 1 << 22);
+  env.arena_mb = env_int("EPX_ARENA_MB", env_int("EPX_IPC_ARENA_MB", 0, 0, 1 << 22), 0, 1 << 22);
   const char *d = getenv("EPX_DEBUG");
   env.log = EPXI_LOG_NONE;
   if (d && !strcasecmp(d, "WARN")) env.log = EPXI_LOG_WARN;
