@@ -128,7 +128,7 @@ fi
 # compute-sanitizer's memcheck over the shapes the tests check: every buffer a peer touches is
 # plain device memory registered at set-up, so the tool follows every access
 if asked sanitize; then
-  cs="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20"
+  cs="env EPX_TEST_TIMEOUT_MS=120000 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20"
   run sanitize-graph-ht timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ht 3
   run sanitize-graph-ll timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ll 3
   run sanitize-match timeout 300 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21}

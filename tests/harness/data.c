@@ -223,11 +223,19 @@ void tu_moe_stream(tu_moe_t *m, uint64_t seed, uint64_t stream, int R, int E, in
 }
 
 /* ---- configs ---------------------------------------------------------------------- */
+/* The tests' bound of every wait: 10 s, or EPX_TEST_TIMEOUT_MS for tools that slow every
+ * kernel down (compute-sanitizer: a healthy peer can take longer than 10 s to arrive). */
+static int test_timeout_ms(void) {
+  const char *v = getenv("EPX_TEST_TIMEOUT_MS");
+  const long ms = v ? strtol(v, NULL, 10) : 0;
+  return ms > 0 && ms <= 3600000 ? (int)ms : 10000;
+}
+
 epx_config_t tu_config(int E, int H, int K, int max_tokens_per_rank) {
   epx_config_t c;
   epx_config_init(&c);
   c.num_experts = E, c.hidden = H, c.topk = K, c.max_tokens_per_rank = max_tokens_per_rank;
-  c.timeout_ms = 10000;
+  c.timeout_ms = test_timeout_ms();
   return c;
 }
 
