@@ -4,7 +4,8 @@
  *               naming the object, on every rank
  *   after       a destroyed handle or comm passed to notify, dispatch, combine, handle_info,
  *               get_layout, the getters: refused, outputs untouched (poisoned), and the group
- *               still runs a pipeline checked against the dense reference
+ *               still runs a pipeline checked against the dense reference (every rank passes
+ *               its destroyed handle at once: a collective call refuses it while taking part)
  *   busy        a world with live comms, a comm with live handles: EPX_ERR_BUSY with a
  *               message that says what is live; the objects stay usable
  *   messages    "" after each successful call, also right after a failed one (the object
@@ -104,6 +105,7 @@ static void busy(void) {
 typedef struct {
   tu_world_t *w;
   epx_handle_t **dead; /* per rank: a destroyed handle */
+  epx_comm_t *cd;      /* a destroyed comm */
 } dead_arg_t;
 
 static epx_status_t dead_rank(int r, void *p) {
@@ -118,20 +120,27 @@ static epx_status_t dead_rank(int r, void *p) {
   return EPX_SUCCESS;
 }
 
+static epx_status_t refuses_dead_rank(int r, void *p) {
+  dead_arg_t *a = p;
+  refuses_dead(a->w->comm[r], a->dead[r], a->cd);
+  return EPX_SUCCESS;
+}
+
 static void after_destroy(void) {
   epx_config_t cfg = tu_config(E, H, K, 16);
   tu_world_t w, w2;
   if (!CHECK_STATUS(tu_world_create(&w, R, &cfg, NULL, NULL), EPX_SUCCESS, "world")) return;
   if (!CHECK_STATUS(tu_world_create(&w2, 1, &cfg, NULL, NULL), EPX_SUCCESS, "world of one")) return;
   epx_handle_t *dead[TU_MAX_RANKS];
-  dead_arg_t a = {&w, dead};
+  dead_arg_t a = {&w, dead, NULL};
   epx_run_ranks(R, dead_rank, &a, NULL);
   /* a comm of its own world of one rank, destroyed */
   epx_comm_t *cd = w2.comm[0];
   CHECK_STATUS(epx_comm_destroy(cd), EPX_SUCCESS, "comm destroy");
   expect_empty_error("epx_comm_destroy");
   w2.comm[0] = NULL;
-  for (int r = 0; r < R; r++) refuses_dead(w.comm[r], dead[r], cd);
+  a.cd = cd;
+  epx_run_ranks(R, refuses_dead_rank, &a, NULL);
   epx_world_t *wd = w2.world;
   CHECK_STATUS(epx_world_destroy(wd), EPX_SUCCESS, "world destroy");
   expect_empty_error("epx_world_destroy");

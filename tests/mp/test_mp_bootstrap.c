@@ -71,7 +71,7 @@ static ssize_t read_within(int fd, void *buf, size_t n, int ms) {
 
 /* Speaks the protocol with a made-up proof (challenge: 24 bytes; hello: 4 words, a nonce of
  * 16 bytes and a proof of 32); the refusal must say the proof is wrong. */
-static void wrong_proof(const epx_unique_id_t *id, mp_rng_t *g) {
+static void wrong_proof(const epx_unique_id_t *id, tu_rng_t *g) {
   int fd = tcp_connect(id);
   CHECK(fd >= 0, "attacker: connect");
   if (fd < 0) return;
@@ -80,7 +80,7 @@ static void wrong_proof(const epx_unique_id_t *id, mp_rng_t *g) {
   memcpy(hello, chal, 4); /* the magic word */
   int32_t who[3] = {1, R, (int32_t)getpid()};
   memcpy(hello + 4, who, sizeof who);
-  for (size_t i = 16; i < sizeof hello; i++) hello[i] = (unsigned char)mp_u64(g);
+  for (size_t i = 16; i < sizeof hello; i++) hello[i] = (unsigned char)tu_u64(g);
   CHECK(send(fd, hello, sizeof hello, MSG_NOSIGNAL) == (ssize_t)sizeof hello, "attacker: hello sent");
   size_t got = 0;
   ssize_t k;
@@ -144,7 +144,7 @@ static void other_user_verdict(pid_t c) {
 }
 
 static void attacker(mp_ctx_t *ctx) {
-  mp_rng_t g = mp_rng(mp_seed, 77);
+  tu_rng_t g = tu_rng_stream(tu_seed, 77);
   static int silent[SILENT], slow[8], garbage[8], squat[256];
   static char seen[256][64];
   int nsquat = 0;
@@ -153,12 +153,12 @@ static void attacker(mp_ctx_t *ctx) {
   for (int i = 0; i < 8; i++) {
     garbage[i] = tcp_connect(&ctx->id);
     unsigned char junk[200];
-    for (size_t j = 0; j < sizeof junk; j++) junk[j] = (unsigned char)mp_u64(&g);
+    for (size_t j = 0; j < sizeof junk; j++) junk[j] = (unsigned char)tu_u64(&g);
     if (garbage[i] >= 0) send(garbage[i], junk, sizeof junk, MSG_NOSIGNAL);
   }
-  double tw = mp_now();
+  double tw = tu_now();
   wrong_proof(&ctx->id, &g);
-  printf("attacker: the wrong proof took %.3f s\n", mp_now() - tw);
+  printf("attacker: the wrong proof took %.3f s\n", tu_now() - tw);
   pid_t other = other_user(&ctx->id);
   /* the id with a spoiled secret, as rank 1 */
   epx_unique_id_t bad = ctx->id;
@@ -168,14 +168,14 @@ static void attacker(mp_ctx_t *ctx) {
   epx_world_config_init(&wc);
   wc.backend = EPX_BACKEND_HOST, wc.nranks = R;
   epx_world_t *w = NULL;
-  double t0 = mp_now();
+  double t0 = tu_now();
   CHECK_STATUS(epx_world_create_rank(&wc, &bad, 1, &w), EPX_ERR_INVALID_ARGUMENT, "attacker: joining with a wrong secret");
-  CHECK(strstr(epx_last_error(), "secret") != NULL && mp_now() - t0 < 2.0, "attacker: refused at once (%.3f s): %s",
-        mp_now() - t0, epx_last_error());
+  CHECK(strstr(epx_last_error(), "secret") != NULL && tu_now() - t0 < 2.0, "attacker: refused at once (%.3f s): %s",
+        tu_now() - t0, epx_last_error());
   CHECK(w == NULL, "attacker: no world");
-  const double end = mp_now() + ATTACK_S;
+  const double end = tu_now() + ATTACK_S;
   int next = 0; /* the silent connections turn over: always SILENT open, CHURN new per tick */
-  for (int tick = 0; mp_now() < end; tick++) {
+  for (int tick = 0; tu_now() < end; tick++) {
     for (int i = 0; i < 8; i++) /* one byte of a plausible hello per 100 ms */
       if (slow[i] >= 0 && tick % 10 == 0) send(slow[i], "c", 1, MSG_NOSIGNAL);
     for (int i = 0; i < CHURN; i++, next = (next + 1) % SILENT) {
@@ -183,7 +183,7 @@ static void attacker(mp_ctx_t *ctx) {
       silent[next] = tcp_connect(&ctx->id);
     }
     nsquat = squat_unix(squat, nsquat, 256, seen);
-    mp_sleep_ms(10);
+    tu_sleep_ms(10);
   }
   other_user_verdict(other);
   for (int i = 0; i < SILENT; i++)
@@ -197,7 +197,7 @@ static void attacker(mp_ctx_t *ctx) {
 }
 
 /* Tokens (and pairs) of every rank's routing that land on rank d: the notify's plan. */
-static void expected_counts(const mp_moe_t *m, int d, int64_t *tokens, int64_t *pairs) {
+static void expected_counts(const tu_moe_t *m, int d, int64_t *tokens, int64_t *pairs) {
   *tokens = *pairs = 0;
   for (int s = 0; s < R; s++)
     for (int64_t t = 0; t < m->T[s]; t++) {
@@ -212,22 +212,22 @@ static void expected_counts(const mp_moe_t *m, int d, int64_t *tokens, int64_t *
 
 static void rank_proc(mp_ctx_t *ctx) {
   const int me = ctx->proc;
-  mp_sleep_ms(START_MS);
+  tu_sleep_ms(START_MS);
   epx_world_t *world = NULL;
-  double t0 = mp_now();
+  double t0 = tu_now();
   epx_status_t s = mp_world_create(ctx, R, me, &world);
-  double secs = mp_now() - t0;
+  double secs = tu_now() - t0;
   if (!CHECK_STATUS(s, EPX_SUCCESS, "rank %d: world under attack", me)) return;
   CHECK(secs < FORM_S, "rank %d: the group took %.3f s to form under attack (bound %.1f s)", me, secs, FORM_S);
   printf("rank %d: formed in %.3f s\n", me, secs);
   epx_comm_t *comm;
   epx_handle_t *h;
-  mp_moe_t m;
-  mp_moe_make(&m, mp_seed, 5, R, R * L, H, K, EPX_BFLOAT16, MAXT);
+  tu_moe_t m;
+  tu_moe_stream(&m, tu_seed, 5, R, R * L, H, K, EPX_BFLOAT16, MAXT);
   char tag[32];
   snprintf(tag, sizeof tag, "rank %d:", me);
   if (mp_comm_open(world, me, &m, MAXT, 0, tag, &comm, &h)) {
-    epx_routing_t rt = mp_routing(&m, me);
+    epx_routing_t rt = tu_routing(&m, me, TU_FORM_TOPK32);
     epx_handle_info_t info;
     int64_t tokens, pairs;
     expected_counts(&m, me, &tokens, &pairs);
@@ -237,7 +237,7 @@ static void rank_proc(mp_ctx_t *ctx) {
             "rank %d: plan %lld tokens %lld pairs, want %lld %lld", me, (long long)info.num_recv_tokens,
             (long long)info.num_recv_pairs, (long long)tokens, (long long)pairs);
   }
-  mp_moe_free(&m);
+  tu_moe_free(&m);
   epx_handle_destroy(h);
   epx_comm_destroy(comm);
   epx_world_destroy(world);
@@ -258,25 +258,25 @@ static void mixed_users(mp_ctx_t *ctx) {
     return;
   }
   epx_world_t *w = NULL;
-  double t0 = mp_now();
+  double t0 = tu_now();
   epx_status_t s = mp_world_create(ctx, 2, ctx->proc, &w);
   CHECK_STATUS(s, EPX_ERR_UNSUPPORTED, "rank %d: a group of two users", ctx->proc);
-  CHECK(strstr(epx_last_error(), "user") != NULL && mp_now() - t0 < 5.0, "rank %d: says so at once (%.3f s): %s",
-        ctx->proc, mp_now() - t0, epx_last_error());
+  CHECK(strstr(epx_last_error(), "user") != NULL && tu_now() - t0 < 5.0, "rank %d: says so at once (%.3f s): %s",
+        ctx->proc, tu_now() - t0, epx_last_error());
   CHECK(w == NULL, "rank %d: no world", ctx->proc);
 }
 
 int main(void) {
-  mp_begin("test_mp_bootstrap");
+  tu_begin("test_mp_bootstrap");
   setenv("EPX_TIMEOUT_MS", "20000", 1);
   signal(SIGPIPE, SIG_IGN);
   mp_launch_t l = {.nprocs = R + 1, .boot = MP_BOOT_ID, .limit_s = 60};
-  double t0 = mp_now();
+  double t0 = tu_now();
   mp_launch(&l, proc_main, NULL);
-  printf("%.2f s\n", mp_now() - t0);
+  printf("%.2f s\n", tu_now() - t0);
   if (geteuid() == 0) { /* becoming another user needs root */
     mp_launch_t l2 = {.nprocs = 2, .boot = MP_BOOT_CALLBACK, .limit_s = 60};
     mp_launch(&l2, mixed_users, NULL);
   }
-  return mp_end();
+  return tu_end();
 }

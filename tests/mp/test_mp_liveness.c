@@ -42,15 +42,15 @@ static void die_leaving_a_child(void) {
   if (c == 0) {
     int null = open("/dev/null", O_WRONLY);
     if (null >= 0) dup2(null, 1), dup2(null, 2);
-    mp_sleep_ms(1500);
+    tu_sleep_ms(1500);
     _exit(0);
   }
-  mp_sleep_ms(50); /* the peers are waiting by now */
+  tu_sleep_ms(50); /* the peers are waiting by now */
   raise(SIGKILL);
 }
 
-static epx_status_t notify(epx_comm_t *comm, epx_handle_t *h, mp_moe_t *m, int me) {
-  epx_routing_t rt = mp_routing(m, me);
+static epx_status_t notify(epx_comm_t *comm, epx_handle_t *h, tu_moe_t *m, int me) {
+  epx_routing_t rt = tu_routing(m, me, TU_FORM_TOPK32);
   return epx_notify(comm, h, &rt);
 }
 
@@ -62,40 +62,40 @@ static void check_quiet(const char *tag, epx_comm_t *comm) {
 }
 
 static void *abort_later(void *p) {
-  mp_sleep_ms(200);
+  tu_sleep_ms(200);
   CHECK_STATUS(epx_comm_abort((epx_comm_t *)p), EPX_SUCCESS, "rank 0: abort from the watchdog thread");
   return NULL;
 }
 
 /* What the survivors see, per case. */
-static void survivor(const case_t *c, const char *tag, epx_comm_t *comm, epx_handle_t *h, mp_moe_t *m, int me) {
+static void survivor(const case_t *c, const char *tag, epx_comm_t *comm, epx_handle_t *h, tu_moe_t *m, int me) {
   epx_status_t st = EPX_ERR_INTERNAL;
-  double t0 = mp_now();
+  double t0 = tu_now();
   if (c->kind == CASE_ASYNC_LOST) {
     epx_status_t s;
-    while ((s = epx_comm_get_async_error(comm, &st)) == EPX_SUCCESS && mp_now() - t0 < 5) mp_sleep_ms(10);
-    double secs = mp_now() - t0;
+    while ((s = epx_comm_get_async_error(comm, &st)) == EPX_SUCCESS && tu_now() - t0 < 5) tu_sleep_ms(10);
+    double secs = tu_now() - t0;
     CHECK(s == EPX_ERR_PEER_LOST && st == s, "%s: async error %s / %s (%s)", tag, epx_status_string(s),
           epx_status_string(st), epx_last_error());
     CHECK(secs < 1.0, "%s: the loss showed after %.3f s", tag, secs);
-    CHECK(mp_names_rank(epx_last_error(), c->victim), "%s: names rank %d: %s", tag, c->victim, epx_last_error());
-    mp_sleep_ms(500); /* the other survivors query too before this one leaves */
+    CHECK(tu_names_rank(epx_last_error(), c->victim), "%s: names rank %d: %s", tag, c->victim, epx_last_error());
+    tu_sleep_ms(500); /* the other survivors query too before this one leaves */
     return;
   }
   epx_status_t s = notify(comm, h, m, me);
-  double secs = mp_now() - t0;
+  double secs = tu_now() - t0;
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", epx_last_error());
   epx_status_t want = c->kind == CASE_ABORT ? EPX_ERR_BROKEN : EPX_ERR_PEER_LOST;
   CHECK_STATUS(s, want, "%s: the waiting notify", tag);
   CHECK(secs < 1.0, "%s: its wait ended after %.3f s (timeout %d ms)", tag, secs, TIMEOUT_MS);
-  CHECK(mp_names_rank(msg, c->victim), "%s: names rank %d: %s", tag, c->victim, msg);
+  CHECK(tu_names_rank(msg, c->victim), "%s: names rank %d: %s", tag, c->victim, msg);
   if (c->kind == CASE_ABORT) CHECK(strstr(msg, "abort") != NULL, "%s: names the abort: %s", tag, msg);
   CHECK(epx_comm_get_async_error(comm, &st) == want && st == want, "%s: async error afterwards %s", tag,
         epx_status_string(st));
-  t0 = mp_now();
+  t0 = tu_now();
   CHECK_STATUS(notify(comm, h, m, me), EPX_ERR_BROKEN, "%s: a later call on the broken group", tag);
-  CHECK(mp_now() - t0 < 0.5, "%s: ... fails at once (%.3f s)", tag, mp_now() - t0);
+  CHECK(tu_now() - t0 < 0.5, "%s: ... fails at once (%.3f s)", tag, tu_now() - t0);
 }
 
 static void rank_main(mp_ctx_t *ctx) {
@@ -107,8 +107,8 @@ static void rank_main(mp_ctx_t *ctx) {
   if (!CHECK_STATUS(mp_world_create(ctx, R, me, &world), EPX_SUCCESS, "%s world", tag)) return;
   epx_comm_t *comm;
   epx_handle_t *h;
-  mp_moe_t m;
-  mp_moe_make(&m, mp_seed, 7, R, R * L, H, K, EPX_BFLOAT16, MAXT);
+  tu_moe_t m;
+  tu_moe_stream(&m, tu_seed, 7, R, R * L, H, K, EPX_BFLOAT16, MAXT);
   if (mp_comm_open(world, me, &m, MAXT, TIMEOUT_MS, tag, &comm, &h)) {
     CHECK_STATUS(notify(comm, h, &m, me), EPX_SUCCESS, "%s a good notify first", tag);
     check_quiet(tag, comm);
@@ -125,27 +125,27 @@ static void rank_main(mp_ctx_t *ctx) {
       survivor(c, tag, comm, h, &m, me);
     }
   }
-  mp_moe_free(&m);
+  tu_moe_free(&m);
   CHECK_STATUS(epx_handle_destroy(h), EPX_SUCCESS, "%s handle destroy", tag);
   CHECK_STATUS(epx_comm_destroy(comm), EPX_SUCCESS, "%s comm destroy", tag);
   CHECK_STATUS(epx_world_destroy(world), EPX_SUCCESS, "%s world destroy", tag);
 }
 
 int main(void) {
-  mp_begin("test_mp_liveness");
+  tu_begin("test_mp_liveness");
   setenv("EPX_TIMEOUT_MS", "20000", 1);
-  mp_rng_t g = mp_rng(mp_seed, 99);
+  tu_rng_t g = tu_rng_stream(tu_seed, 99);
   const case_kind_t kinds[] = {CASE_FORKED_CHILD, CASE_ABORT, CASE_ASYNC_LOST};
   for (int i = 0; i < 3; i++)
     for (int b = 0; b < 2; b++) {
-      case_t c = {kinds[i], kinds[i] == CASE_ABORT ? 0 : mp_int(&g, 0, R - 1)};
+      case_t c = {kinds[i], kinds[i] == CASE_ABORT ? 0 : tu_int(&g, 0, R - 1)};
       mp_launch_t l = {.nprocs = R, .boot = (mp_boot_t)b, .limit_s = 60};
       if (c.kind != CASE_ABORT) l.expect_signal[c.victim] = SIGKILL;
       if (c.kind != CASE_ABORT) l.reap_after_s[c.victim] = 1.5; /* dead but not reaped: kill(pid, 0) still works */
       printf("-- %s bootstrap: %s, rank %d\n", mp_boot_name(l.boot), case_name[c.kind], c.victim);
-      double t0 = mp_now();
+      double t0 = tu_now();
       mp_launch(&l, rank_main, &c);
-      printf("   %.2f s\n", mp_now() - t0);
+      printf("   %.2f s\n", tu_now() - t0);
     }
-  return mp_end();
+  return tu_end();
 }

@@ -36,6 +36,8 @@ def test_error_hierarchy():
     assert issubclass(epx.DTypeError, TypeError) and issubclass(epx.DTypeError, epx.InvalidArgumentError)
     assert issubclass(epx.UnsupportedError, NotImplementedError)
     assert issubclass(epx.OutOfMemoryError, MemoryError)
+    assert epx.error_class(epx.Status.BUSY) is epx.BusyError and issubclass(epx.BusyError, RuntimeError)
+    assert epx.error_class(epx.Status.OUT_OF_STEP) is epx.OutOfStepError
 
 
 def test_bad_expert_id_fails_on_every_rank(world4):
