@@ -617,7 +617,8 @@ epx_status_t epx_handle_destroy(epx_handle_t *handle) {
 /* `dead`: the caller passed a pointer that is not a live handle (comm_enter_call). */
 static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, bool dead, bool planned,
                                  const char *op) {
-  if (dead) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle is not a live epx handle (destroyed already?)", op);
+  if (dead)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle is not a live epx handle (destroyed already?)", op);
   if (!handle) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: handle is NULL", op);
   if (handle->comm != comm)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle belongs to another comm", op);
