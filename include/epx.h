@@ -178,6 +178,11 @@ typedef struct {
   int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers */
   int num_sms;              /* SM budget of every GPU launch of this comm (default 16) */
   int timeout_ms;           /* bound of every wait; 0 takes EPX_TIMEOUT_MS (default 30000) */
+  int ranks_per_node;       /* ranks per node (GPUs joined by NVLink; nodes joined by a network):
+                               node n holds ranks [n * ranks_per_node, (n + 1) * ranks_per_node).
+                               0 or nranks: one node. Otherwise a divisor of nranks; combine then
+                               pre-reduces inside each node (docs/design.md, "Nodes"). The host
+                               backend simulates nodes; CUDA refuses them (EPX_ERR_UNSUPPORTED). */
 } epx_config_t;
 
 EPX_API void epx_config_init(epx_config_t *cfg);
@@ -285,6 +290,16 @@ typedef struct {
  * the device knows them. tokens_per_local_expert may be NULL ([L], unpadded pair counts). */
 EPX_API epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info,
                              int32_t *tokens_per_local_expert);
+
+/* Bytes of this rank's tokens that crossed a node boundary in the handle's last dispatch
+ * (rows of recv_dtype, fp8 with their scales) and last combine (rows of y_dtype coming back),
+ * next to what one crossing per destination rank would have moved. 0 on a group of one node. */
+typedef struct {
+  int64_t dispatch_bytes, combine_bytes;           /* the node-aware path (low-latency: per rank) */
+  int64_t dispatch_bytes_per_rank, combine_bytes_per_rank; /* a row to every remote rank */
+} epx_node_traffic_t;
+
+EPX_API epx_status_t epx_handle_node_traffic(const epx_handle_t *handle, epx_node_traffic_t *traffic);
 
 /* ------------------------------------------------------------------------------------------
  * Dispatch.

@@ -368,7 +368,7 @@ epx_routing_t tu_routing(const tu_moe_t *m, int rank, int form) {
 
 void tu_dense(const tu_moe_t *m, epx_dtype_t recv_dtype, epx_dtype_t y_dtype, epx_dtype_t out_dtype, int expert_layout,
               const float *const *weights, void **out) {
-  dense_cfg_t c = {m->R, m->E, m->H, m->K, m->x_dtype, recv_dtype, y_dtype, out_dtype, expert_layout};
+  dense_cfg_t c = {m->R, m->E, m->H, m->K, m->x_dtype, recv_dtype, y_dtype, out_dtype, expert_layout, 0};
   for (int r = 0; r < m->R; r++) out[r] = tu_alloc_poison((size_t)(m->T[r] * m->H) * elem_size(out_dtype));
   int rc = dense_moe(&c, m->T, (const void *const *)m->x, (const int32_t *const *)m->idx, weights, out);
   CHECK(rc == 0, "dense_moe refused its input");

@@ -148,6 +148,7 @@ class Config(Structure):
         ("max_tokens_per_rank", c_int),
         ("num_sms", c_int),
         ("timeout_ms", c_int),
+        ("ranks_per_node", c_int),
     ]
 
 

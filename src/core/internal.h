@@ -164,6 +164,7 @@ struct epx_handle {
   bool planned;
   bool dispatch_follows; /* during a notify made by epx_dispatch: a failing rank aborts both */
   void *impl;            /* backend's per-handle state */
+  epx_node_traffic_t traffic; /* of the last dispatch and combine, counted by the backend */
 };
 
 /* The collective calls, for a rank that takes part only to fail. */
@@ -193,6 +194,9 @@ struct epxi_backend {
   /* Takes part in `op` as far as the peers need to learn that this rank failed with `status`
    * (the argument checks in api.c found it), so none of them waits for it. */
   epx_status_t (*abort)(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t status);
+  /* Implements groups of several nodes (config.ranks_per_node < nranks): the node-aware
+   * combine order and the handle's node traffic (core/nodes.c). */
+  bool nodes;
 };
 
 extern const epxi_backend_t epxi_host_backend;
@@ -234,6 +238,24 @@ void epxi_expert_blocks(const epxi_counts_t *c, int d, int align, int64_t *block
 /* First row of source s's pairs inside expert l's block on d. */
 int64_t epxi_expert_source_base(const epxi_counts_t *c, int d, int l, int s);
 static inline int64_t epxi_round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+/* ---- nodes (nodes.c) ------------------------------------------------------------------- */
+
+/* config.ranks_per_node: 0 or a divisor of nranks (at most nranks). */
+epx_status_t epxi_nodes_check_config(const epx_config_t *cfg, int nranks);
+/* The ranks of one node after defaults: 0 becomes nranks. */
+int epxi_nodes_resolve(int ranks_per_node, int nranks);
+/* EPX_ERR_UNSUPPORTED, on every rank alike, for several nodes on a backend without them. */
+epx_status_t epxi_nodes_supported(const epxi_backend_t *ops, const epx_config_t *cfg, int nranks);
+static inline int epxi_node_of(const epx_comm_t *c, int rank) { return rank / c->cfg.ranks_per_node; }
+/* The source side of the node-aware combine, one node's contribution to a token:
+ * acc[c] += sub[c] rounded to `crossing` (the combine type when the node partial crossed a
+ * node boundary; EPX_FLOAT32 for the source's own node, whose partial stays float32). */
+void epxi_node_fold(float *acc, const float *sub, int hidden, epx_dtype_t crossing);
+/* Crossings of this rank's tokens, from dest_row [T, R] (>= 0 where a token goes to a rank):
+ * *per_node counts (token, remote node) pairs, *per_rank (token, remote rank) pairs. */
+void epxi_nodes_count(const epx_comm_t *comm, const int64_t *dest_row, int64_t num_tokens, int64_t *per_node,
+                      int64_t *per_rank);
 
 /* ---- a range allocator (suballoc.c) ---------------------------------------------------- */
 

@@ -332,6 +332,17 @@ static epx_status_t host_handle_info(const epx_handle_t *h, epx_handle_info_t *i
   return EPX_SUCCESS;
 }
 
+/* Bytes of this rank's tokens that crossed node boundaries: once per (token, remote node)
+ * on the node-aware path, once per (token, remote rank) in low-latency mode. */
+static void count_traffic(const epx_comm_t *comm, const epx_handle_t *h, size_t row_bytes, int64_t *bytes,
+                          int64_t *bytes_per_rank) {
+  const host_plan_t *p = h->impl;
+  int64_t per_node, per_rank;
+  epxi_nodes_count(comm, p->dest_row, p->route.num_tokens, &per_node, &per_rank);
+  *bytes = (p->ll ? per_rank : per_node) * (int64_t)row_bytes;
+  *bytes_per_rank = per_rank * (int64_t)row_bytes;
+}
+
 /* ---- dispatch ------------------------------------------------------------------------- */
 
 /* Every receiver reads each arriving token once from its source and writes it to every row
@@ -389,6 +400,9 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   free(scaled);
   EPX_CHECK(done_reading(comm, "dispatch:x-read"));
   if (s == EPX_SUCCESS) {
+    size_t row_bytes = H * epx_dtype_size(a->recv_dtype) +
+                       (a->recv_dtype == EPX_FP8_E4M3 ? sizeof(float) * scale_blocks(H) : 0);
+    count_traffic(comm, h, row_bytes, &h->traffic.dispatch_bytes, &h->traffic.dispatch_bytes_per_rank);
     if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
     if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
   }
@@ -464,16 +478,24 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
     return s;
   }
 
-  /* Source side: sum what comes back from each destination, in rank order. */
-  float *acc = malloc(sizeof(float) * H), *y = malloc(sizeof(float) * H);
+  /* Source side: what comes back from each destination node, in node order; inside a node
+   * the ranks' rows in rank order, summed as its rail peer does (low-latency: one node). */
+  float *acc = malloc(sizeof(float) * H), *y = malloc(sizeof(float) * H), *sub = malloc(sizeof(float) * H);
   epx_dtype_t row_dtype = a->y_dtype;
+  const int P = p->ll ? R : comm->cfg.ranks_per_node, my_node = me / P;
   for (int64_t t = 0; t < T; t++) {
     for (int c = 0; c < H; c++) acc[c] = 0.0f;
-    for (int d = 0; d < R; d++) {
-      int64_t r = p->dest_row[t * R + d];
-      if (r < 0) continue;
-      load_row(rows[d], row_dtype, r, H, y);
-      for (int c = 0; c < H; c++) acc[c] += y[c];
+    for (int n = 0; n < R / P; n++) {
+      bool any = false;
+      for (int c = 0; c < H; c++) sub[c] = 0.0f;
+      for (int d = n * P; d < (n + 1) * P; d++) {
+        int64_t r = p->dest_row[t * R + d];
+        if (r < 0) continue;
+        load_row(rows[d], row_dtype, r, H, y);
+        for (int c = 0; c < H; c++) sub[c] += y[c];
+        any = true;
+      }
+      if (any) epxi_node_fold(acc, sub, H, n == my_node ? EPX_FLOAT32 : row_dtype);
     }
     store_row(a->out, a->out_dtype, t, H, acc);
     if (!a->topk_weight_grad) continue;
@@ -490,8 +512,10 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   }
   free(acc);
   free(y);
+  free(sub);
   s = done_reading(comm, "combine:read");
   free(partials);
+  if (s == EPX_SUCCESS) count_traffic(comm, h, row_bytes, &h->traffic.combine_bytes, &h->traffic.combine_bytes_per_rank);
   return s;
 }
 
@@ -512,4 +536,5 @@ const epxi_backend_t epxi_host_backend = {
     .dispatch = host_dispatch,
     .combine = host_combine,
     .abort = host_abort,
+    .nodes = true,
 };
