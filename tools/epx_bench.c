@@ -27,7 +27,7 @@
 typedef struct {
   epx_backend_t backend;
   int ranks, tokens, hidden, experts, topk, align, iters, warmup, check, json;
-  int ll, a2a, expert_layout, num_sms, graph;
+  int ll, a2a, expert_layout, num_sms, graph, ranks_per_node;
   epx_dtype_t x_dtype, recv_dtype;
   uint64_t seed;
 } opts_t;
@@ -59,6 +59,7 @@ typedef struct {
   pthread_cond_t cond;
   int arrived, generation, failed;
   char error[EPX_MAX_RANKS][512];
+  epx_node_traffic_t traffic[EPX_MAX_RANKS]; /* of each rank's last iteration */
 } bench_t;
 
 /* Waits until every rank arrives (0), or a rank failed or 120 s passed (-1). */
@@ -233,6 +234,7 @@ static epx_status_t run_rank(int rank, void *arg) {
   cfg.topk = K;
   cfg.max_tokens_per_rank = T;
   cfg.num_sms = o->num_sms;
+  cfg.ranks_per_node = o->ranks_per_node;
   TRY(b, rank, epx_comm_init(b->world, rank, &cfg, &comm));
   if (stream) TRY(b, rank, epx_comm_set_stream(comm, stream));
   epx_handle_config_t hc;
@@ -311,6 +313,7 @@ static epx_status_t run_rank(int rank, void *arg) {
         b->stamp[((size_t)rank * o->iters + it) * (PH_COUNT + 1) + i] =
             dev->elapsed_ms(b->shared_clock ? b->origin : ev[0], ev[i]);
   }
+  TRY(b, rank, epx_handle_node_traffic(handle, &b->traffic[rank]));
   dev->download(counts_host, counts, sizeof(int32_t) * L);
   dev->download(b->out[rank], out, (size_t)T * H * esize(o->x_dtype));
   int64_t pairs = 0;
@@ -339,10 +342,13 @@ static void usage(void) {
           "usage: epx-bench [--backend auto|host|cuda] [--ranks R] [--tokens T] [--hidden H] [--experts E]\n"
           "                 [--topk K] [--dtype bf16|fp32|fp8] [--mode ht|ll|a2a] [--layout token|expert]\n"
           "                 [--align A] [--iters N] [--warmup N] [--num-sms S] [--seed N] [--check] [--json] [--graph]\n"
+          "                 [--ranks-per-node P]\n"
           "defaults: auto, 8 ranks, 512 tokens per rank, H 7168, 256 experts, top-8, bf16, ht, token layout\n"
           "fp8 dispatches bf16 tokens as e4m3 with a scale per 128 channels; combine stays bf16.\n"
           "a2a is the permute -> all-to-all -> sort baseline on the same API.\n"
-          "--graph (CUDA) captures the layer once and times graph replays.\n");
+          "--graph (CUDA) captures the layer once and times graph replays.\n"
+          "--ranks-per-node P groups the ranks in nodes of P (host backend): combine follows the node-aware\n"
+          "order, and the bytes that cross node boundaries are printed next to one crossing per rank.\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -359,7 +365,7 @@ static int parse(int argc, char **argv, opts_t *o) {
   }
     INTARG("--ranks", ranks) INTARG("--tokens", tokens) INTARG("--hidden", hidden) INTARG("--experts", experts)
     INTARG("--topk", topk) INTARG("--align", align) INTARG("--iters", iters) INTARG("--warmup", warmup)
-    INTARG("--num-sms", num_sms)
+    INTARG("--num-sms", num_sms) INTARG("--ranks-per-node", ranks_per_node)
 #undef INTARG
     if (!strcmp(a, "--seed") && v) { o->seed = strtoull(v, NULL, 10); i++; continue; }
     if (!strcmp(a, "--check")) { o->check = 1; continue; }
@@ -401,7 +407,7 @@ static int parse(int argc, char **argv, opts_t *o) {
     return -1;
   }
   if (o->ranks < 1 || o->ranks > EPX_MAX_RANKS || o->tokens < 0 || o->hidden < 1 || o->experts < 1 || o->topk < 1 ||
-      o->topk > o->experts || o->align < 1 || o->warmup < 0)
+      o->topk > o->experts || o->align < 1 || o->warmup < 0 || o->ranks_per_node < 0)
     return fprintf(stderr, "arguments out of range\n"), -1;
   if (o->iters < 0) o->iters = 3;
   if (o->iters < 1) return fprintf(stderr, "--iters must be >= 1\n"), -1;
@@ -485,12 +491,27 @@ static void phase_bytes(const bench_t *b, double *memory, double *link) {
   }
 }
 
+/* Bytes that crossed node boundaries in the last iteration, summed over ranks, against one
+ * crossing per destination rank. */
+static void print_node_traffic(const bench_t *b) {
+  double d = 0, c = 0, d_rank = 0, c_rank = 0;
+  for (int r = 0; r < b->o.ranks; r++) {
+    d += (double)b->traffic[r].dispatch_bytes, c += (double)b->traffic[r].combine_bytes;
+    d_rank += (double)b->traffic[r].dispatch_bytes_per_rank, c_rank += (double)b->traffic[r].combine_bytes_per_rank;
+  }
+  printf("nodes: %d of %d ranks; bytes across node boundaries (all ranks, one iteration):\n", b->o.ranks / b->o.ranks_per_node,
+         b->o.ranks_per_node);
+  printf("  dispatch %14.0f  one crossing per rank %14.0f  (%.1f%%)\n", d, d_rank, d_rank > 0 ? 100.0 * d / d_rank : 100.0);
+  printf("  combine  %14.0f  one crossing per rank %14.0f  (%.1f%%)\n", c, c_rank, c_rank > 0 ? 100.0 * c / c_rank : 100.0);
+}
+
 /* Bit-for-bit comparison with the dense single-process layer. */
 static int check(const bench_t *b) {
   const opts_t *o = &b->o;
   dense_cfg_t dc = {.nranks = o->ranks, .num_experts = o->experts, .hidden = o->hidden, .topk = o->topk,
                     .x_dtype = o->x_dtype, .recv_dtype = o->recv_dtype, .y_dtype = o->x_dtype,
-                    .out_dtype = o->x_dtype, .expert_layout = expert_rows(o)};
+                    .out_dtype = o->x_dtype, .expert_layout = expert_rows(o),
+                    .ranks_per_node = o->ll ? 0 : o->ranks_per_node};
   int64_t nt[EPX_MAX_RANKS];
   void *want[EPX_MAX_RANKS];
   const size_t es = esize(o->x_dtype), row = (size_t)o->hidden * es;
@@ -638,6 +659,7 @@ int main(int argc, char **argv) {
                phase_names[ph], link[ph], phase_names[ph], memory[ph] / copy_bw * 1e3);
       printf("}\n");
     }
+    if (o->ranks_per_node > 0 && o->ranks_per_node < o->ranks) print_node_traffic(&b);
     if (o->check) rc = check(&b);
   }
   for (int r = 0; r < o->ranks; r++) {
