@@ -481,7 +481,7 @@ void *mp_dense_out(const mp_moe_t *m, int rank, epx_dtype_t recv_dtype, epx_dtyp
                    int expert_layout) {
   dense_cfg_t cfg = {.nranks = m->R, .num_experts = m->E, .hidden = m->H, .topk = m->K, .x_dtype = m->x_dtype,
                      .recv_dtype = recv_dtype, .y_dtype = y_dtype, .out_dtype = out_dtype,
-                     .expert_layout = expert_layout};
+                     .expert_layout = expert_layout, .ranks_per_node = m->ranks_per_node};
   void *out[MP_MAX_PROCS];
   for (int r = 0; r < m->R; r++) out[r] = malloc((size_t)(m->T[r] * m->H) * epx_dtype_size(out_dtype) + 1);
   int rc = dense_moe(&cfg, m->T, (const void *const *)m->x, (const int32_t *const *)m->idx,

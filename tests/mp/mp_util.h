@@ -113,6 +113,7 @@ typedef struct {
   void *x[MP_MAX_PROCS];      /* [T, H] */
   int32_t *idx[MP_MAX_PROCS]; /* [T, K], distinct experts, -1 slots */
   float *w[MP_MAX_PROCS];     /* [T, K] */
+  int ranks_per_node;         /* the combine order mp_dense_out follows (0: one node) */
 } mp_moe_t;
 void mp_moe_make(mp_moe_t *m, uint64_t seed, uint64_t stream, int R, int E, int H, int K, epx_dtype_t x_dtype,
                  int max_tokens);
