@@ -400,8 +400,9 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   free(scaled);
   EPX_CHECK(done_reading(comm, "dispatch:x-read"));
   if (s == EPX_SUCCESS) {
-    size_t row_bytes = H * epx_dtype_size(a->recv_dtype) +
-                       (a->recv_dtype == EPX_FP8_E4M3 ? sizeof(float) * scale_blocks(H) : 0);
+    /* the wire type: fp8 is quantised at the source, unless each expert scales its copy */
+    const bool fp8_wire = a->recv_dtype == EPX_FP8_E4M3 && !(a->scale_by_probs && p->expert_layout);
+    size_t row_bytes = fp8_wire ? H + sizeof(float) * scale_blocks(H) : H * epx_dtype_size(a->x_dtype);
     count_traffic(comm, h, row_bytes, &h->traffic.dispatch_bytes, &h->traffic.dispatch_bytes_per_rank);
     if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
     if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
