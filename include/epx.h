@@ -291,10 +291,13 @@ typedef struct {
 EPX_API epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info,
                              int32_t *tokens_per_local_expert);
 
-/* Bytes of this rank's tokens that crossed a node boundary in the handle's last dispatch
- * (rows of recv_dtype, fp8 with their scales; x_dtype for an expert-layout scale_by_probs
- * replay) and last combine (rows of y_dtype coming back), next to what one crossing per
- * destination rank would have moved. 0 on a group of one node. docs/design.md, "Nodes". */
+/* Bytes that crossed a node boundary into this rank in the handle's last dispatch and last
+ * combine, next to what one crossing per destination rank would have moved. Dispatch: the
+ * rows this rank received from other nodes (on the node path, as a rail peer that forwards
+ * them; rows of recv_dtype, fp8 with its scales, or x_dtype for an expert-layout
+ * scale_by_probs replay). Combine: the rows of y_dtype that came back to this rank's tokens
+ * from other nodes (one per node on the node path). Summed over the group, what crossed the
+ * network. Low-latency mode crosses once per rank. 0 on one node. docs/design.md, "Nodes". */
 typedef struct {
   int64_t dispatch_bytes, combine_bytes;           /* the node-aware path (low-latency: per rank) */
   int64_t dispatch_bytes_per_rank, combine_bytes_per_rank; /* a row to every remote rank */

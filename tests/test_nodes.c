@@ -83,18 +83,36 @@ static void dense_for(const tu_moe_t *m, const tu_pipe_t *p, int ranks_per_node,
         "dense_moe refused its input");
 }
 
-/* Crossings of rank s's tokens: (token, remote node) and (token, remote rank) pairs. */
-static void count_crossings(const tu_moe_t *m, int s, int P, int64_t *nodes, int64_t *ranks) {
-  *nodes = *ranks = 0;
-  for (int64_t t = 0; t < m->T[s]; t++) {
-    int rank_hit[TU_MAX_RANKS] = {0}, node_hit[TU_MAX_RANKS] = {0};
-    for (int k = 0; k < K; k++) {
-      const int e = m->idx[s][t * K + k];
-      if (e < 0 || (e / L) / P == s / P) continue;
-      if (!rank_hit[e / L]) rank_hit[e / L] = 1, ++*ranks;
-      if (!node_hit[(e / L) / P]) node_hit[(e / L) / P] = 1, ++*nodes;
-    }
+/* What crosses into rank r on its way, counted from the routing: as a source, its tokens'
+ * (token, remote node) and (token, remote rank) pairs (combine brings those back); as a
+ * receiver, the tokens of its rail sources on other nodes that come to its node (what it
+ * forwards) and the tokens of other nodes' ranks that come to it (one crossing per rank). */
+typedef struct {
+  int64_t back_nodes, back_ranks, forwarded, arrived;
+} crossings_t;
+
+static int token_hits(const tu_moe_t *m, int s, int64_t t, int rank_lo, int rank_hi) {
+  for (int k = 0; k < K; k++) {
+    const int e = m->idx[s][t * K + k];
+    if (e >= 0 && e / L >= rank_lo && e / L < rank_hi) return 1;
   }
+  return 0;
+}
+
+static crossings_t count_crossings(const tu_moe_t *m, int r, int P) {
+  crossings_t c = {0, 0, 0, 0};
+  const int node = r / P;
+  for (int n = 0; n < m->R / P; n++)
+    for (int64_t t = 0; t < m->T[r] && n != node; t++) {
+      c.back_nodes += token_hits(m, r, t, n * P, (n + 1) * P);
+      for (int d = n * P; d < (n + 1) * P; d++) c.back_ranks += token_hits(m, r, t, d, d + 1);
+    }
+  for (int s = 0; s < m->R; s++)
+    for (int64_t t = 0; t < m->T[s] && s / P != node; t++) {
+      if (s % P == r % P) c.forwarded += token_hits(m, s, t, node * P, (node + 1) * P);
+      c.arrived += token_hits(m, s, t, r, r + 1);
+    }
+  return c;
 }
 
 static void check_traffic(const char *what, const tu_moe_t *m, const scenario_t *sc, int P, epx_handle_t *const *h) {
@@ -102,20 +120,19 @@ static void check_traffic(const char *what, const tu_moe_t *m, const scenario_t 
   const int64_t drow = (int64_t)H * epx_dtype_size(sc->recv) +
                        (sc->recv == EPX_FP8_E4M3 ? (int64_t)sizeof(float) * tu_nblocks(H) : 0);
   const int64_t crow = (int64_t)H * epx_dtype_size(sc->y);
-  for (int s = 0; s < m->R; s++) {
-    int64_t nodes, ranks;
-    count_crossings(m, s, P, &nodes, &ranks);
+  for (int r = 0; r < m->R; r++) {
+    const crossings_t c = count_crossings(m, r, P);
     epx_node_traffic_t t;
-    CHECK_STATUS(epx_handle_node_traffic(h[s], &t), EPX_SUCCESS, "%s rank %d node traffic", what, s);
-    const int64_t crossings = ll ? ranks : nodes;
-    CHECK(t.dispatch_bytes == crossings * drow && t.dispatch_bytes_per_rank == ranks * drow,
-          "%s rank %d: dispatch crossed %lld bytes (per rank %lld), want %lld (%lld)", what, s,
-          (long long)t.dispatch_bytes, (long long)t.dispatch_bytes_per_rank, (long long)(crossings * drow),
-          (long long)(ranks * drow));
-    CHECK(t.combine_bytes == crossings * crow && t.combine_bytes_per_rank == ranks * crow,
-          "%s rank %d: combine crossed %lld bytes (per rank %lld), want %lld (%lld)", what, s,
-          (long long)t.combine_bytes, (long long)t.combine_bytes_per_rank, (long long)(crossings * crow),
-          (long long)(ranks * crow));
+    CHECK_STATUS(epx_handle_node_traffic(h[r], &t), EPX_SUCCESS, "%s rank %d node traffic", what, r);
+    const int64_t in = (ll ? c.arrived : c.forwarded) * drow, back = (ll ? c.back_ranks : c.back_nodes) * crow;
+    CHECK(t.dispatch_bytes == in && t.dispatch_bytes_per_rank == c.arrived * drow,
+          "%s rank %d: dispatch brought %lld bytes across nodes (per rank %lld), want %lld (%lld)", what, r,
+          (long long)t.dispatch_bytes, (long long)t.dispatch_bytes_per_rank, (long long)in,
+          (long long)(c.arrived * drow));
+    CHECK(t.combine_bytes == back && t.combine_bytes_per_rank == c.back_ranks * crow,
+          "%s rank %d: combine brought %lld bytes across nodes (per rank %lld), want %lld (%lld)", what, r,
+          (long long)t.combine_bytes, (long long)t.combine_bytes_per_rank, (long long)back,
+          (long long)(c.back_ranks * crow));
   }
 }
 

@@ -247,15 +247,6 @@ epx_status_t epxi_nodes_check_config(const epx_config_t *cfg, int nranks);
 int epxi_nodes_resolve(int ranks_per_node, int nranks);
 /* EPX_ERR_UNSUPPORTED, on every rank alike, for several nodes on a backend without them. */
 epx_status_t epxi_nodes_supported(const epxi_backend_t *ops, const epx_config_t *cfg, int nranks);
-static inline int epxi_node_of(const epx_comm_t *c, int rank) { return rank / c->cfg.ranks_per_node; }
-/* The source side of the node-aware combine, one node's contribution to a token:
- * acc[c] += sub[c] rounded to `crossing` (the combine type when the node partial crossed a
- * node boundary; EPX_FLOAT32 for the source's own node, whose partial stays float32). */
-void epxi_node_fold(float *acc, const float *sub, int hidden, epx_dtype_t crossing);
-/* Crossings of this rank's tokens, from dest_row [T, R] (>= 0 where a token goes to a rank):
- * *per_node counts (token, remote node) pairs, *per_rank (token, remote rank) pairs. */
-void epxi_nodes_count(const epx_comm_t *comm, const int64_t *dest_row, int64_t num_tokens, int64_t *per_node,
-                      int64_t *per_rank);
 
 /* ---- a range allocator (suballoc.c) ---------------------------------------------------- */
 

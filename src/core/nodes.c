@@ -1,8 +1,6 @@
-/* Nodes: a group of R ranks in nodes of ranks_per_node (docs/design.md, "Nodes"). The plan
- * math every backend shares: the config rule, the capability check, the source side of the
- * node-aware combine and the count of what crosses a node boundary. */
-#include <string.h>
-
+/* Nodes: a group of R ranks in nodes of ranks_per_node (docs/design.md, "Nodes"). What
+ * every backend shares: the config rule, the capability check and the traffic report. The
+ * host backend's node path is host/nodes.c. */
 #include "core/internal.h"
 
 epx_status_t epxi_nodes_check_config(const epx_config_t *cfg, int nranks) {
@@ -24,29 +22,6 @@ epx_status_t epxi_nodes_supported(const epxi_backend_t *ops, const epx_config_t 
                    "the %s backend runs a group of one node only: config.ranks_per_node %d makes %d nodes of %d ranks "
                    "(use the host backend, or ranks_per_node 0)",
                    ops->name, p, nranks / p, nranks);
-}
-
-void epxi_node_fold(float *acc, const float *sub, int hidden, epx_dtype_t crossing) {
-  if (crossing == EPX_BFLOAT16)
-    for (int c = 0; c < hidden; c++) acc[c] = acc[c] + epx_bf16_to_float(epx_float_to_bf16(sub[c]));
-  else
-    for (int c = 0; c < hidden; c++) acc[c] = acc[c] + sub[c];
-}
-
-void epxi_nodes_count(const epx_comm_t *comm, const int64_t *dest_row, int64_t num_tokens, int64_t *per_node,
-                      int64_t *per_rank) {
-  const int R = comm->nranks, P = comm->cfg.ranks_per_node, mine = epxi_node_of(comm, comm->rank);
-  *per_node = *per_rank = 0;
-  for (int64_t t = 0; t < num_tokens; t++) {
-    const int64_t *row = dest_row + t * R;
-    for (int n = 0; n < R / P; n++) {
-      if (n == mine) continue;
-      int ranks = 0;
-      for (int d = n * P; d < (n + 1) * P; d++) ranks += row[d] >= 0;
-      *per_node += ranks > 0;
-      *per_rank += ranks;
-    }
-  }
 }
 
 epx_status_t epx_handle_node_traffic(const epx_handle_t *handle, epx_node_traffic_t *traffic) {
