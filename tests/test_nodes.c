@@ -448,6 +448,8 @@ static void test_config(void) {
       CHECK(epx_comm_config(w.comm[r])->ranks_per_node == R, "rank %d: ranks_per_node %d after defaults, want %d", r,
             epx_comm_config(w.comm[r])->ranks_per_node, R);
   tu_world_destroy(&w);
+  epx_node_traffic_t t;
+  CHECK_STATUS(epx_handle_node_traffic(NULL, &t), EPX_ERR_NULL_POINTER, "node traffic of no handle");
 }
 
 int main(void) {
