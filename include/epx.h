@@ -51,6 +51,21 @@ extern "C" {
 #define EPX_VERSION_PATCH 0
 #define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
 
+/* The library's version at run time: EPX_VERSION_CODE of the epx.h it was built from. A
+ * program may compare it with the EPX_VERSION_CODE it was compiled with; the structs below
+ * are checked on every call anyway. */
+EPX_API int epx_get_version(void);
+
+/* A stable ABI: every config and argument struct that the caller fills (the world and comm
+ * configs, handle configs, dispatch and combine arguments) starts with two fields that its
+ * epx_*_init function sets: struct_size = sizeof the struct as the caller was compiled, and
+ * struct_version = that epx.h's EPX_VERSION_CODE. The library refuses a struct whose size or
+ * version (major and minor) is not its own with EPX_ERR_INVALID_ARGUMENT, so a program built
+ * against another epx.h fails with a message instead of reading fields that are not there.
+ * Always set a struct up with its init function, then change the fields you need. New fields
+ * are added at the end. (epx_routing_t, epx_handle_info_t, epx_node_traffic_t and epx_unique_id_t are
+ * fixed.) */
+
 /* Limits the API checks against. */
 #define EPX_MAX_RANKS 64
 #define EPX_MAX_TOPK 16
@@ -127,6 +142,8 @@ typedef struct epx_comm epx_comm_t;
 typedef struct epx_handle epx_handle_t;
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_world_config_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_world_config_init: EPX_VERSION_CODE */
   epx_backend_t backend;
   int nranks;          /* ranks in the group, all driven by this process: 1..EPX_MAX_RANKS */
   const int *devices;  /* CUDA: device of each rank; NULL puts rank r on device r % count */
@@ -172,6 +189,8 @@ EPX_API epx_status_t epx_world_create_rank_with(const epx_world_config_t *wc, in
                                                 void *ctx, epx_world_t **world);
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_config_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_config_init: EPX_VERSION_CODE */
   int num_experts;          /* E, a multiple of the group size */
   int hidden;               /* H */
   int topk;                 /* K, 1..EPX_MAX_TOPK */
@@ -259,6 +278,8 @@ typedef enum {
 } epx_layout_t;
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_handle_config_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_handle_config_init: EPX_VERSION_CODE */
   epx_algo_t algo;
   epx_layout_t layout;  /* EPX_ALGO_LL always uses the expert layout */
   int align;            /* expert layout: each expert's block padded to a multiple (>= 1) */
@@ -337,6 +358,8 @@ typedef enum {
 } epx_part_t;
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_dispatch_args_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_dispatch_args_init: EPX_VERSION_CODE */
   const void *x;              /* [T, H] */
   epx_dtype_t x_dtype;        /* EPX_FLOAT32 or EPX_BFLOAT16 */
   epx_dtype_t recv_dtype;     /* x_dtype, or EPX_FP8_E4M3 to quantise on the way */
@@ -371,6 +394,8 @@ EPX_API epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const 
  * slots that routed nowhere). That is the weight part of dispatch's gradient.
  * ---------------------------------------------------------------------------------------- */
 typedef struct {
+  uint32_t struct_size;    /* set by epx_combine_args_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_combine_args_init: EPX_VERSION_CODE */
   const void *y;              /* rows of the handle's layout, H wide */
   epx_dtype_t y_dtype;        /* EPX_FLOAT32 or EPX_BFLOAT16; also the partials' type */
   void *out;                  /* [T, H] */

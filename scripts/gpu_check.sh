@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
-#   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [nccl] [all]   (default all; nvlink,
-#   scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; nccl is the NCCL all-to-all
+#   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [all]   (default all;
+#   nvlink, scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs epx-bench's
+#   token and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL all-to-all
 #   baseline of the nvlink shapes)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
@@ -79,7 +80,7 @@ if want bench; then
   run bench-ll128-ht        $b --tokens 128 --iters 50 --layout expert --graph --check
 fi
 
-# Several GPUs (issue 7): one rank per GPU through NVLink, and the NCCL all-to-all baseline of
+# Several GPUs: one rank per GPU through NVLink, and the NCCL all-to-all baseline of
 # the same shape (one process per GPU).
 if want nvlink && [ "$ngpu" -ge 2 ]; then
   b="$build/epx-bench --backend cuda --json --ranks $ngpu"
@@ -100,6 +101,25 @@ if want scaling && [ "$ngpu" -ge 2 ]; then
   done
   run "scaling-ll128-sms132" $b --tokens 128 --iters 50 --mode ll --graph --num-sms 132
 fi
+# The README's picture: bandwidth against tokens per rank (fused token and expert layout, the
+# all-to-all baseline) and bytes per SM-second against SMs per rank, emulated on the first GPU;
+# the JSON lands in $out/sweep, the PNG next to it (plotted here when matplotlib is installed,
+# else plot the JSON on any machine with the command printed).
+if want sweep; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  b="env CUDA_VISIBLE_DEVICES=${first%%,*} $build/epx-bench --backend cuda --iters 5"
+  sw="$out/sweep"
+  mkdir -p "$sw"
+  run sweep-tokens-token  $b --sweep tokens --tokens 32768 --json "$sw/tokens-token.json"
+  run sweep-tokens-expert $b --sweep tokens --tokens 16384 --layout expert --align 128 --json "$sw/tokens-expert.json"
+  # the baseline's buffers in the expert layout outgrow one H200's memory past 16k tokens (8 ranks)
+  run sweep-tokens-a2a    $b --sweep tokens --tokens 16384 --layout expert --align 128 --mode a2a --json "$sw/tokens-a2a.json"
+  run sweep-sms-token     $b --sweep sms --tokens 4096 --json "$sw/sms-token.json"
+  run sweep-sms-expert    $b --sweep sms --tokens 4096 --layout expert --align 128 --json "$sw/sms-expert.json"
+  plot="python3 tools/plot_bench.py --title \"$(date -u +%Y-%m-%d), $(git rev-parse --short HEAD 2>/dev/null || echo ?)\" --out $sw/bench.png $sw/*.json"
+  echo "$plot" >"$sw/plot-command.txt"
+  run sweep-plot bash -c "$plot" || echo "plot the sweep elsewhere: $plot"
+fi
 if want nccl && [ "$ngpu" -ge 2 ]; then
   run "nccl-ds3-ep$ngpu"     python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 4096 --iters 10
   run "nccl-prefill32k-ep$ngpu" python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 32768 --iters 5
@@ -109,6 +129,7 @@ echo
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
 grep -h '^{' "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log 2>/dev/null > "$out/bench.jsonl" || true
+[ -d "$out/sweep" ] && echo "sweep: JSON and bench.png in $out/sweep"
 # fused path against the all-to-all baseline, same shape (dispatch + combine)
 python3 - "$out/bench.jsonl" <<'PY' || true
 import json, sys
@@ -132,5 +153,5 @@ PY
 for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"
-  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|\{"baseline)' "$f"
+  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|GB/s/SM|\{"baseline)' "$f"
 done

@@ -24,19 +24,19 @@ static void check_layout(const char *what, epx_comm_t *comm, const tu_moe_t *m, 
   if (CHECK_STATUS(epx_get_layout(comm, &rt, tpr, tpe, in), EPX_SUCCESS, "%s", ctx)) {
     char w[200];
     snprintf(w, sizeof w, "%s tokens_per_rank", ctx);
-    tu_check_bits(w, EPX_INT32, tpr, want_tpr, R, R);
+    CHECK_BITS(w, EPX_INT32, tpr, want_tpr, R, R);
     snprintf(w, sizeof w, "%s tokens_per_expert", ctx);
-    tu_check_bits(w, EPX_INT32, tpe, want_tpe, E, E);
+    CHECK_BITS(w, EPX_INT32, tpe, want_tpe, E, E);
     snprintf(w, sizeof w, "%s is_token_in_rank", ctx);
-    tu_check_bits(w, EPX_BOOL, in, want_in, T * R, R);
+    CHECK_BITS(w, EPX_BOOL, in, want_in, T * R, R);
   }
   /* Any output may be NULL. */
   memset(tpe, TU_POISON, sizeof(int32_t) * (size_t)E);
   if (CHECK_STATUS(epx_get_layout(comm, &rt, NULL, tpe, NULL), EPX_SUCCESS, "%s only tokens_per_expert", ctx))
-    tu_check_bits(ctx, EPX_INT32, tpe, want_tpe, E, E);
+    CHECK_BITS(ctx, EPX_INT32, tpe, want_tpe, E, E);
   memset(tpr, TU_POISON, sizeof(int32_t) * (size_t)R);
   if (CHECK_STATUS(epx_get_layout(comm, &rt, tpr, NULL, NULL), EPX_SUCCESS, "%s only tokens_per_rank", ctx))
-    tu_check_bits(ctx, EPX_INT32, tpr, want_tpr, R, R);
+    CHECK_BITS(ctx, EPX_INT32, tpr, want_tpr, R, R);
   free(tpr), free(tpe), free(in), free(want_tpr), free(want_tpe), free(want_in);
 }
 

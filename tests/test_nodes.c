@@ -31,24 +31,28 @@ static const nodes_t kLayouts[] = {{4, 2}, {8, 4}, {16, 4}, {6, 3}};
 
 typedef struct {
   const char *name;
-  epx_handle_config_t hc; /* algo, layout, align (exact: the host backend always knows) */
+  struct {
+    epx_algo_t algo;
+    epx_layout_t layout;
+    int align;
+  } path;
   epx_dtype_t x, recv, y, out;
 } scenario_t;
 
 static const scenario_t kScenarios[] = {
-    {"HT token f32", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1, 1}, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32},
-    {"HT token bf16", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16},
-    {"HT token bf16 -> f32 out", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16,
+    {"HT token f32", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1}, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32},
+    {"HT token bf16", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16},
+    {"HT token bf16 -> f32 out", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16,
      EPX_FLOAT32},
-    {"HT expert bf16 align 4", {EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 4, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16,
+    {"HT expert bf16 align 4", {EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 4}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16,
      EPX_BFLOAT16},
-    {"HT expert fp8 -> f32 out", {EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 1, 1}, EPX_BFLOAT16, EPX_FP8_E4M3, EPX_BFLOAT16,
+    {"HT expert fp8 -> f32 out", {EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 1}, EPX_BFLOAT16, EPX_FP8_E4M3, EPX_BFLOAT16,
      EPX_FLOAT32},
-    {"HT token fp8", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1, 1}, EPX_BFLOAT16, EPX_FP8_E4M3, EPX_BFLOAT16, EPX_BFLOAT16},
-    {"all-to-all token bf16", {EPX_ALGO_ALLTOALL, EPX_LAYOUT_TOKEN, 1, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16,
+    {"HT token fp8", {EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1}, EPX_BFLOAT16, EPX_FP8_E4M3, EPX_BFLOAT16, EPX_BFLOAT16},
+    {"all-to-all token bf16", {EPX_ALGO_ALLTOALL, EPX_LAYOUT_TOKEN, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16,
      EPX_FLOAT32},
-    {"LL bf16", {EPX_ALGO_LL, EPX_LAYOUT_EXPERT, 1, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16, EPX_FLOAT32},
-    {"LL fp8", {EPX_ALGO_LL, EPX_LAYOUT_EXPERT, 1, 1}, EPX_BFLOAT16, EPX_FP8_E4M3, EPX_BFLOAT16, EPX_BFLOAT16},
+    {"LL bf16", {EPX_ALGO_LL, EPX_LAYOUT_EXPERT, 1}, EPX_BFLOAT16, EPX_BFLOAT16, EPX_BFLOAT16, EPX_FLOAT32},
+    {"LL fp8", {EPX_ALGO_LL, EPX_LAYOUT_EXPERT, 1}, EPX_BFLOAT16, EPX_FP8_E4M3, EPX_BFLOAT16, EPX_BFLOAT16},
 };
 #define NSCEN ((int)(sizeof kScenarios / sizeof kScenarios[0]))
 
@@ -114,7 +118,7 @@ static crossings_t count_crossings(const tu_moe_t *m, int r, int P) {
 }
 
 static void check_traffic(const char *what, const tu_moe_t *m, const scenario_t *sc, int P, epx_handle_t *const *h) {
-  const int ll = sc->hc.algo == EPX_ALGO_LL;
+  const int ll = sc->path.algo == EPX_ALGO_LL;
   const int64_t drow = (int64_t)H * epx_dtype_size(sc->recv) +
                        (sc->recv == EPX_FP8_E4M3 ? (int64_t)sizeof(float) * tu_nblocks(H) : 0);
   const int64_t crow = (int64_t)H * epx_dtype_size(sc->y);
@@ -146,9 +150,10 @@ static int run_forward(const scenario_t *sc, int R, int P, int dense_P) {
   epx_handle_t *h[TU_MAX_RANKS] = {0};
   int differs_from_flat = 0;
   if (CHECK_STATUS(world_for(&w, R, P), EPX_SUCCESS, "%s world", what)) {
-    if (CHECK_STATUS(tu_handles_create(&w, &sc->hc, h), EPX_SUCCESS, "%s handles", what)) {
+    epx_handle_config_t hc = tu_handle_config(sc->path.algo, sc->path.layout, sc->path.align);
+    if (CHECK_STATUS(tu_handles_create(&w, &hc, h), EPX_SUCCESS, "%s handles", what)) {
       tu_pipe_t p = tu_pipe_default();
-      p.algo = sc->hc.algo, p.layout = sc->hc.layout, p.align = sc->hc.align;
+      p.algo = sc->path.algo, p.layout = sc->path.layout, p.align = sc->path.align;
       p.recv_dtype = sc->recv, p.y_dtype = sc->y, p.out_dtype = sc->out;
       tu_pipe_res_t res;
       int rc = tu_pipe_run(&w, h, &m, &p, &res);
@@ -160,7 +165,7 @@ static int run_forward(const scenario_t *sc, int R, int P, int dense_P) {
         for (int r = 0; r < R; r++) {
           char ww[300];
           snprintf(ww, sizeof ww, "%s rank %d out vs dense_moe", what, r);
-          tu_check_bits(ww, sc->out, res.out[r], want[r], m.T[r] * H, H);
+          CHECK_BITS(ww, sc->out, res.out[r], want[r], m.T[r] * H, H);
           differs_from_flat |= tu_first_diff(res.out[r], flat[r], epx_dtype_size(sc->out), m.T[r] * H) >= 0;
         }
         tu_free_all(want, R);
@@ -180,7 +185,7 @@ static void test_forward(void) {
   for (int i = 0; i < NLAYOUTS; i++)
     for (int s = 0; s < NSCEN; s++) {
       const scenario_t *sc = &kScenarios[s];
-      const int P = kLayouts[i].P, ll = sc->hc.algo == EPX_ALGO_LL;
+      const int P = kLayouts[i].P, ll = sc->path.algo == EPX_ALGO_LL;
       run_forward(sc, kLayouts[i].R, P, ll ? 0 : P);
     }
 }

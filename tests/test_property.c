@@ -22,7 +22,7 @@ static void run_layout(const char *what, tu_world_t *w, epx_handle_t **h, const 
             (long long)want_rows);
       char ww[640];
       snprintf(ww, sizeof ww, "%s rank %d tokens per local expert", what, r);
-      tu_check_bits(ww, EPX_INT32, res.cnt[r], ex->cnt, m->L, m->L);
+      CHECK_BITS(ww, EPX_INT32, res.cnt[r], ex->cnt, m->L, m->L);
     }
   tu_pipe_free(&res, R);
 }

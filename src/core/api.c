@@ -7,6 +7,34 @@
 
 #include "core/internal.h"
 
+/* ---- version and the structs callers fill (epx.h: "A stable ABI") ----------------------- */
+
+int epx_get_version(void) { return EPX_VERSION_CODE; }
+
+typedef struct {
+  uint32_t size, version;
+} struct_head_t;
+
+#define EPX_STRUCT_HEAD(p) ((p)->struct_size = (uint32_t)sizeof *(p), (p)->struct_version = EPX_VERSION_CODE)
+
+/* A struct of another size, or from an epx.h of another major.minor release, is refused
+ * before any of its other fields is read. */
+static epx_status_t check_struct(const void *p, size_t size, const char *type, const char *init, const char *fn) {
+  struct_head_t h;
+  memcpy(&h, p, sizeof h);
+  if (h.size == size && h.version / 100 == EPX_VERSION_CODE / 100) return EPX_SUCCESS;
+  if (h.size == 0)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the %s has struct_size 0: set it up with %s, then set its fields",
+                     fn, type, init);
+  return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                   "%s: the %s is %u bytes from epx.h version %u.%u.%u, but this libepx (version %d.%d.%d) takes "
+                   "%zu bytes from its own: build the program against this library's epx.h and set the struct "
+                   "up with %s",
+                   fn, type, h.size, h.version / 10000, h.version / 100 % 100, h.version % 100, EPX_VERSION_MAJOR,
+                   EPX_VERSION_MINOR, EPX_VERSION_PATCH, size, init);
+}
+#define EPX_CHECK_STRUCT(p, type, init, fn) check_struct((p), sizeof(type), #type, #init, (fn))
+
 /* ---- backends ------------------------------------------------------------------------- */
 
 const char *epx_backend_name(epx_backend_t backend) {
@@ -43,6 +71,7 @@ static const epxi_backend_t *backend_ops(epx_backend_t backend) {
 
 void epx_world_config_init(epx_world_config_t *wc) {
   memset(wc, 0, sizeof *wc);
+  EPX_STRUCT_HEAD(wc);
   wc->backend = EPX_BACKEND_AUTO;
   wc->nranks = 1;
 }
@@ -83,6 +112,7 @@ static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int
 epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world) {
   epxi_clear_error();
   if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create: config and world are required");
+  EPX_CHECK(EPX_CHECK_STRUCT(wc, epx_world_config_t, epx_world_config_init, "epx_world_create"));
   if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", wc->nranks, EPX_MAX_RANKS);
   return world_make(wc, 0, wc->nranks, NULL, NULL, world);
@@ -116,6 +146,7 @@ static epx_status_t user_exchange(const void *mine, void *all, size_t bytes, voi
 static epx_status_t check_rank_args(const epx_world_config_t *wc, int rank, epx_world_t **world, const char *fn) {
   if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: config and world are required", fn);
   *world = NULL;
+  EPX_CHECK(EPX_CHECK_STRUCT(wc, epx_world_config_t, epx_world_config_init, fn));
   if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: nranks %d outside [1, %d]", fn, wc->nranks, EPX_MAX_RANKS);
   if (rank < 0 || rank >= wc->nranks)
@@ -151,6 +182,7 @@ epx_backend_t epx_world_backend(const epx_world_t *world) { return world ? world
 
 void epx_config_init(epx_config_t *cfg) {
   memset(cfg, 0, sizeof *cfg);
+  EPX_STRUCT_HEAD(cfg);
   cfg->num_experts = 256;
   cfg->hidden = 7168;
   cfg->topk = 8;
@@ -160,6 +192,7 @@ void epx_config_init(epx_config_t *cfg) {
 }
 
 static epx_status_t check_config(const epx_config_t *c, int nranks) {
+  EPX_CHECK(EPX_CHECK_STRUCT(c, epx_config_t, epx_config_init, "epx_comm_init"));
   if (c->topk < 1 || c->topk > EPX_MAX_TOPK)
     return epxi_fail(EPX_ERR_TOPK_RANGE, "config.topk %d outside [1, %d]", c->topk, EPX_MAX_TOPK);
   if (c->hidden < 1 || c->hidden > EPX_MAX_HIDDEN)
@@ -187,6 +220,7 @@ typedef struct {
 #define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(max_tokens_per_rank) X(num_sms) X(ranks_per_node)
 
 static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int rank) {
+  if (votes[rank].status != EPX_SUCCESS) return votes[rank].status; /* its own message stands */
   for (int r = 0; r < nranks; r++)
     if (votes[r].status != EPX_SUCCESS)
       return r == rank ? votes[r].status
@@ -324,6 +358,7 @@ epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int3
 
 void epx_handle_config_init(epx_handle_config_t *hc) {
   memset(hc, 0, sizeof *hc);
+  EPX_STRUCT_HEAD(hc);
   hc->algo = EPX_ALGO_HT;
   hc->layout = EPX_LAYOUT_TOKEN;
   hc->align = 1;
@@ -334,6 +369,7 @@ epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, 
   epxi_clear_error();
   if (!comm || !hc || !handle)
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm, config and handle are required");
+  EPX_CHECK(EPX_CHECK_STRUCT(hc, epx_handle_config_t, epx_handle_config_init, "epx_handle_create"));
   if (hc->algo != EPX_ALGO_HT && hc->algo != EPX_ALGO_LL && hc->algo != EPX_ALGO_ALLTOALL)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown algorithm %d", (int)hc->algo);
   if (hc->layout != EPX_LAYOUT_TOKEN && hc->layout != EPX_LAYOUT_EXPERT)
@@ -432,12 +468,14 @@ static bool is_float_type(epx_dtype_t t) { return t == EPX_FLOAT32 || t == EPX_B
 
 void epx_dispatch_args_init(epx_dispatch_args_t *args) {
   memset(args, 0, sizeof *args);
+  EPX_STRUCT_HEAD(args);
   args->x_dtype = EPX_BFLOAT16;
   args->recv_dtype = EPX_BFLOAT16;
 }
 
 static epx_status_t check_dispatch_args(const epx_comm_t *comm, const epx_dispatch_args_t *args) {
   if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: args is NULL");
+  EPX_CHECK(EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch"));
   if (!is_float_type(args->x_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch x_dtype must be float32 or bfloat16, not %s",
                      epx_dtype_name(args->x_dtype));
@@ -462,6 +500,8 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
   EPX_CHECK(check_comm(comm, "epx_dispatch"));
   EPX_CHECK(check_handle(comm, handle, false, "epx_dispatch"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
+  /* other parts check the struct with the rest of the arguments, failing every rank at once */
+  if (part == EPX_PART_COMPLETE) EPX_CHECK(EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch"));
   EPX_CHECK(check_order(comm, handle, false, part, "epx_dispatch"));
   if (part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
     if (routing)
@@ -482,6 +522,7 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
 
 void epx_combine_args_init(epx_combine_args_t *args) {
   memset(args, 0, sizeof *args);
+  EPX_STRUCT_HEAD(args);
   args->y_dtype = EPX_BFLOAT16;
   args->out_dtype = EPX_BFLOAT16;
   args->weighted = 1;
@@ -489,6 +530,7 @@ void epx_combine_args_init(epx_combine_args_t *args) {
 
 static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine_args_t *args) {
   if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: args is NULL");
+  EPX_CHECK(EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine"));
   if (!is_float_type(args->y_dtype) || !is_float_type(args->out_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine y_dtype and out_dtype must be float32 or bfloat16 (got %s, %s)",
                      epx_dtype_name(args->y_dtype), epx_dtype_name(args->out_dtype));
@@ -506,6 +548,8 @@ epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combi
   EPX_CHECK(check_comm(comm, "epx_combine"));
   EPX_CHECK(check_handle(comm, handle, false, "epx_combine"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
+  /* other parts check the struct with the rest of the arguments, failing every rank at once */
+  if (part == EPX_PART_COMPLETE) EPX_CHECK(EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine"));
   EPX_CHECK(check_order(comm, handle, true, part, "epx_combine"));
   if (part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
     return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
