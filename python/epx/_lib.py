@@ -204,6 +204,15 @@ class HandleInfo(Structure):
     ]
 
 
+class NodeTraffic(Structure):
+    _fields_ = [
+        ("dispatch_bytes", c_int64),
+        ("combine_bytes", c_int64),
+        ("dispatch_bytes_per_rank", c_int64),
+        ("combine_bytes_per_rank", c_int64),
+    ]
+
+
 class DispatchArgs(Structure):
     _fields_ = [
         *_STRUCT_HEAD,
@@ -283,6 +292,7 @@ _FUNCTIONS = {
     "epx_handle_destroy": (c_enum, [_P]),
     "epx_notify": (c_enum, [_P, _P, POINTER(Routing)]),
     "epx_handle_info": (c_enum, [_P, POINTER(HandleInfo), _P]),
+    "epx_handle_node_traffic": (c_enum, [_P, POINTER(NodeTraffic)]),
     "epx_dispatch_args_init": (None, [POINTER(DispatchArgs)]),
     "epx_dispatch": (c_enum, [_P, _P, POINTER(Routing), POINTER(DispatchArgs)]),
     "epx_combine_args_init": (None, [POINTER(CombineArgs)]),

@@ -78,3 +78,31 @@ def test_token_combine_in_node_order(world4, P):
     want = node_order_combine(ys, srcs, P)
     for r in range(R):
         np.testing.assert_array_equal(got[r], want[r])
+
+
+def test_node_traffic(world4):
+    """2 nodes of 2: rank r receives, as rail peer, the tokens of the rank with its local index
+    on the other node that go to its node; its own tokens bring back one row per other node
+    they went to; one crossing per rank counts a row per (token, remote rank)."""
+    P = 2
+    xs, idxs, ws = make_inputs(9, R, E, H, K, TOKENS)
+
+    def ranks_of(s, t):
+        return {int(e) // L for e in idxs[s][t] if e >= 0}
+
+    def rank(r):
+        with world4.comm(r, **dict(CFG, ranks_per_node=P)) as comm, comm.handle("ht", "token") as h:
+            res = h.dispatch(xs[r], topk_idx=idxs[r], topk_weights=ws[r])
+            h.combine(np.zeros_like(res.recv_x))
+            return h.node_traffic()
+
+    got = world4.run(rank)
+    row = H * 4
+    for r in range(R):
+        node, other = r // P, 1 - r // P
+        rail = other * P + r % P
+        forwarded = sum(any(d // P == node for d in ranks_of(rail, t)) for t in range(TOKENS[rail]))
+        arrived = sum(r in ranks_of(s, t) for s in range(R) if s // P != node for t in range(TOKENS[s]))
+        back_nodes = sum(any(d // P != node for d in ranks_of(r, t)) for t in range(TOKENS[r]))
+        back_ranks = sum(sum(d // P != node for d in ranks_of(r, t)) for t in range(TOKENS[r]))
+        assert got[r] == epx.NodeTraffic(forwarded * row, back_nodes * row, arrived * row, back_ranks * row), r
