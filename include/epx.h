@@ -22,7 +22,16 @@
  * thread: epx_run_ranks does that for you. Every wait is bounded by the comm's timeout: a
  * peer that never arrives gives EPX_ERR_TIMEOUT, naming the phase and the peer, never a hang.
  * After a timeout the comm is broken: every later collective on it fails fast; destroy the
- * comms and the world and create them again.
+ * comms and the world and create them again. A call that a peer gave up on never returns
+ * EPX_SUCCESS on any rank.
+ *
+ * Matching: every collective call carries, into its first exchange, the operation, the comm's
+ * call number, the handle's identity (its creation number on the comm) and its settings, and the
+ * call's own arguments (part, dtypes, flags, which optional arrays are given). Ranks in
+ * different calls fail with EPX_ERR_OUT_OF_STEP (the comm is then broken); the same call with
+ * different settings or arguments fails with EPX_ERR_CONFIG_MISMATCH naming the field (the comm
+ * stays usable). A rank that refuses its own arguments still takes part, so its peers fail at
+ * once with its status; only a NULL comm cannot. (CUDA backend: not yet; see the README.)
  *
  * Memory: every pointer handed to an operation lives where the comm's backend computes
  * (host memory for EPX_BACKEND_HOST, device memory for EPX_BACKEND_CUDA).
@@ -72,6 +81,7 @@ EPX_API int epx_get_version(void);
 #define EPX_MAX_EXPERTS 4096
 #define EPX_MAX_HIDDEN 65536
 #define EPX_FP8_BLOCK 128 /* channels per fp8 scale */
+#define EPX_MAX_TOKENS 2147483647LL /* tokens of one rank in one call (counts are int32) */
 
 typedef enum {
   EPX_SUCCESS = 0,
@@ -93,6 +103,8 @@ typedef enum {
   EPX_ERR_CUDA,               /* a CUDA call failed */
   EPX_ERR_BROKEN,             /* the comm is unusable after an earlier timeout or peer loss */
   EPX_ERR_INTERNAL,           /* a bug in epx */
+  EPX_ERR_OUT_OF_STEP,        /* the ranks are in different collective calls (operation, call number or
+                                 handle differ): the comm is broken */
   EPX_NUM_STATUS
 } epx_status_t;
 
@@ -126,10 +138,13 @@ EPX_API epx_status_t epx_backend_available(epx_backend_t backend);
 /* ------------------------------------------------------------------------------------------
  * Scalar conversions. These are the exact roundings every backend uses.
  * ---------------------------------------------------------------------------------------- */
-EPX_API uint16_t epx_float_to_bf16(float x);   /* round to nearest even; NaN stays NaN */
-EPX_API float epx_bf16_to_float(uint16_t x);
-EPX_API uint8_t epx_float_to_e4m3(float x);    /* round to nearest even, saturating at +-448 */
-EPX_API float epx_e4m3_to_float(uint8_t x);
+/* NaN rule (docs/design.md): a row copied without conversion keeps its bits; every NaN that a
+ * narrowing conversion or arithmetic makes is the canonical one of its type: float32
+ * 0x7FFFFFFF, bf16 0x7FFF, e4m3 0x7F. */
+EPX_API uint16_t epx_float_to_bf16(float x);   /* round to nearest even; NaN -> 0x7FFF */
+EPX_API float epx_bf16_to_float(uint16_t x);   /* exact: the bits shifted up (NaN payloads too) */
+EPX_API uint8_t epx_float_to_e4m3(float x);    /* round to nearest even, saturating at +-448; NaN -> 0x7F */
+EPX_API float epx_e4m3_to_float(uint8_t x);    /* exact; NaN -> 0x7FFFFFFF */
 /* Quantise one row of `hidden` floats: ceil(hidden / EPX_FP8_BLOCK) scales. For each block,
  * a = max(max|x|, 1e-4f); q = e4m3(x * (448 / a)); scale = a / 448. */
 EPX_API void epx_quantize_row_e4m3(const float *x, int hidden, uint8_t *q, float *scales);
@@ -238,7 +253,7 @@ EPX_API epx_status_t epx_run_ranks(int nranks, epx_rank_fn fn, void *arg, epx_st
  *         may hold at most K experts; they are taken in ascending expert id.
  * ---------------------------------------------------------------------------------------- */
 typedef struct {
-  int64_t num_tokens;       /* T >= 0 */
+  int64_t num_tokens;       /* 0 <= T <= EPX_MAX_TOKENS */
   epx_dtype_t idx_dtype;    /* EPX_INT32 or EPX_INT64, for topk_idx */
   const void *topk_idx;     /* topk form: [T, K] */
   const float *topk_weights;
@@ -289,6 +304,10 @@ typedef struct {
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
+/* Local (not collective). The handle's identity is its creation number on the comm, failed
+ * calls included: create a comm's handles in the same order on every rank. Its settings are
+ * compared with the peers' at every collective call that uses it (EPX_ERR_CONFIG_MISMATCH
+ * naming the field), not here. */
 EPX_API epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle);
 EPX_API epx_status_t epx_handle_destroy(epx_handle_t *handle);
 

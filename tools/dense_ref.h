@@ -27,6 +27,8 @@
  *   source:  out[t] = cast_out(sum over those nodes n ascending of node_n). One node: the
  *            sum over destination ranks ascending. A token that routes nowhere gives 0.
  *   Every sum is float32, left to right, starting from 0.0f. A missing weight array
+ *   Every sum is float32, left to right, starting from 0.0f; a NaN result is stored as the
+ *   canonical NaN of the output type (float32 0x7FFFFFFF, bf16 0x7FFF). A missing weight array
  *   (topk_weights NULL, or topk_weights[s] NULL) means every weight is 1.
  */
 #ifndef EPX_DENSE_REF_H

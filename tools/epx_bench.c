@@ -609,6 +609,13 @@ static int sweep_points(const opts_t *o, opts_t *pts, int max) {
 }
 
 static int setup_env(int argc, char **argv, const opts_t *o, bench_env_t *env) {
+  /* The benchmark starts CUDA itself (availability, the copy reference) before any world
+   * exists, so the world cannot set what ranks sharing a GPU need: set it here, as a program
+   * emulating a group on one GPU should, keeping values the user chose. */
+  if (o->backend != EPX_BACKEND_HOST) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  }
   env->backend = o->backend;
   if (env->backend == EPX_BACKEND_AUTO)
     env->backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;

@@ -91,6 +91,7 @@ class Status(enum.IntEnum):
     CUDA = 16
     BROKEN = 17
     INTERNAL = 18
+    OUT_OF_STEP = 19
 
     @property
     def c_name(self) -> str:
@@ -98,7 +99,7 @@ class Status(enum.IntEnum):
         return "EPX_SUCCESS" if self == Status.SUCCESS else "EPX_ERR_" + self.name
 
 
-NUM_STATUS = 19
+NUM_STATUS = 20
 
 
 class DType(enum.IntEnum):

@@ -82,6 +82,9 @@ void epx_world_config_init(epx_world_config_t *wc) {
 static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int num_local, epxi_exchange_fn exchange,
                                void *ctx, epx_world_t **world) {
   epx_backend_t backend = wc->backend;
+#ifdef EPX_HAVE_CUDA
+  if (backend != EPX_BACKEND_HOST) epxi_cuda_world_env(wc, first_rank, num_local); /* before CUDA starts */
+#endif
   if (backend == EPX_BACKEND_AUTO)
     backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
   EPX_CHECK(epx_backend_available(backend));
@@ -292,7 +295,10 @@ epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream) {
 /* Marks the comm broken when the group failed under the call. */
 static epx_status_t collective_result(epx_comm_t *comm, epx_status_t s) {
   /* a CUDA call that failed mid-operation left the peers waiting for the rest of it */
-  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN || s == EPX_ERR_CUDA) comm->broken = true;
+  /* ranks out of step would pair every later call wrongly too */
+  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN || s == EPX_ERR_CUDA ||
+      s == EPX_ERR_OUT_OF_STEP)
+    comm->broken = true;
   return s;
 }
 
@@ -367,8 +373,11 @@ void epx_handle_config_init(epx_handle_config_t *hc) {
 
 epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle) {
   epxi_clear_error();
-  if (!comm || !hc || !handle)
-    return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm, config and handle are required");
+  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm is NULL");
+  /* counted even when it fails, so the ranks' numbers stay equal as long as they make the
+   * same calls */
+  const uint64_t id = ++comm->handles_made;
+  if (!hc || !handle) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: config and handle are required");
   EPX_CHECK(EPX_CHECK_STRUCT(hc, epx_handle_config_t, epx_handle_config_init, "epx_handle_create"));
   if (hc->algo != EPX_ALGO_HT && hc->algo != EPX_ALGO_LL && hc->algo != EPX_ALGO_ALLTOALL)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown algorithm %d", (int)hc->algo);
@@ -378,6 +387,7 @@ epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, 
   epx_handle_t *h = calloc(1, sizeof *h);
   if (!h) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "handle");
   h->comm = comm;
+  h->id = id;
   h->hc = *hc;
   if (hc->algo == EPX_ALGO_LL) {
     h->hc.layout = EPX_LAYOUT_EXPERT;
@@ -409,12 +419,28 @@ static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, b
   return EPX_SUCCESS;
 }
 
-/* A bad argument found on one rank still takes part in the operation, carrying its status,
- * so every rank fails with it at once instead of waiting out the timeout for this one. */
-static epx_status_t fail_collective(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t bad) {
+/* Opens a collective call on a usable comm: numbers it and stamps it (call.c) for the
+ * backend's first exchange. A handle of another comm counts as none. */
+static void begin_call(epx_comm_t *comm, epxi_op_t op, const epx_handle_t *handle) {
+  comm->calls++;
+  comm->stamp = epxi_stamp_make(op, comm->calls, handle && handle->comm == comm ? handle : NULL);
+}
+
+/* Why a rank refuses a call: its arguments, or the handle / SEND-COMPLETE order. */
+typedef enum { REFUSED_ARGS, REFUSED_HANDLE_OR_ORDER } refusal_t;
+
+/* A rank that refuses a call still takes part in it, carrying its status, so every rank
+ * fails with it at once instead of waiting out the timeout for this one. A backend that does
+ * not stamp its exchanges can only do that with the call's own valid handle. */
+static epx_status_t fail_collective(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t bad,
+                                    refusal_t why) {
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", epx_last_error());
-  if (comm->world->ops->abort) collective_result(comm, comm->world->ops->abort(comm, handle, op, bad));
+  const epxi_backend_t *ops = comm->world->ops;
+  if (ops->abort && (ops->stamped || why == REFUSED_ARGS)) {
+    comm->stamp.status = (int16_t)bad;
+    collective_result(comm, ops->abort(comm, handle && handle->comm == comm ? handle : NULL, op, bad));
+  }
   return epxi_fail(bad, "%s", msg);
 }
 
@@ -424,7 +450,7 @@ static epx_status_t plan(epx_comm_t *comm, epx_handle_t *handle, const epx_routi
   handle->planned = false;
   epx_status_t bad = epxi_check_routing_form(routing);
   if (bad != EPX_SUCCESS)
-    return fail_collective(comm, handle, dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, bad);
+    return fail_collective(comm, handle, dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, bad, REFUSED_ARGS);
   handle->dispatch_follows = dispatch_follows;
   epx_status_t s = collective_result(comm, comm->world->ops->notify(comm, handle, routing));
   handle->dispatch_follows = false;
@@ -435,8 +461,10 @@ static epx_status_t plan(epx_comm_t *comm, epx_handle_t *handle, const epx_routi
 epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_notify"));
-  EPX_CHECK(check_handle(comm, handle, false, "epx_notify"));
-  EPX_CHECK(check_order(comm, handle, false, EPX_PART_ALL, "epx_notify"));
+  begin_call(comm, EPXI_OP_NOTIFY, handle);
+  epx_status_t bad = check_handle(comm, handle, false, "epx_notify");
+  if (bad == EPX_SUCCESS) bad = check_order(comm, handle, false, EPX_PART_ALL, "epx_notify");
+  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_NOTIFY, bad, REFUSED_HANDLE_OR_ORDER);
   return plan(comm, handle, routing, false);
 }
 
@@ -498,14 +526,26 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
                           const epx_dispatch_args_t *args) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_dispatch"));
-  EPX_CHECK(check_handle(comm, handle, false, "epx_dispatch"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
-  /* other parts check the struct with the rest of the arguments, failing every rank at once */
-  if (part == EPX_PART_COMPLETE) EPX_CHECK(EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch"));
-  EPX_CHECK(check_order(comm, handle, false, part, "epx_dispatch"));
+  const epxi_op_t op = routing && part != EPX_PART_COMPLETE ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH;
+  begin_call(comm, op, handle);
+  epxi_stamp_dispatch(&comm->stamp, args);
+  /* other parts check the struct with the rest of the arguments; a refusal still takes part */
+  epx_status_t refused = part == EPX_PART_COMPLETE
+                             ? EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch")
+                             : EPX_SUCCESS;
+  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, false, "epx_dispatch");
+  if (refused == EPX_SUCCESS) refused = check_order(comm, handle, false, part, "epx_dispatch");
+  if (refused != EPX_SUCCESS) return fail_collective(comm, handle, op, refused, REFUSED_HANDLE_OR_ORDER);
   if (part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
-    if (routing)
-      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the COMPLETE half takes no routing (SEND planned)");
+    if (routing) {
+      /* taking part, it ends its SEND as the peers' COMPLETE ends theirs */
+      if (comm->world->ops->stamped) comm->pending = NULL;
+      return fail_collective(comm, handle, op,
+                             epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                                       "epx_dispatch: the COMPLETE half takes no routing (SEND planned)"),
+                             REFUSED_HANDLE_OR_ORDER);
+    }
     return track_order(comm, handle, false, part, collective_result(comm, comm->world->ops->dispatch(comm, handle, args)));
   }
   epx_status_t bad = check_dispatch_args(comm, args);
@@ -514,7 +554,7 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
   if (bad == EPX_SUCCESS && routing) bad = epxi_check_routing_form(routing);
   if (bad != EPX_SUCCESS) {
     if (routing) handle->planned = false;
-    return fail_collective(comm, handle, routing ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH, bad);
+    return fail_collective(comm, handle, op, bad, REFUSED_ARGS);
   }
   if (routing) EPX_CHECK(plan(comm, handle, routing, true));
   return track_order(comm, handle, false, part, collective_result(comm, comm->world->ops->dispatch(comm, handle, args)));
@@ -546,17 +586,22 @@ static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine
 epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_combine"));
-  EPX_CHECK(check_handle(comm, handle, false, "epx_combine"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
-  /* other parts check the struct with the rest of the arguments, failing every rank at once */
-  if (part == EPX_PART_COMPLETE) EPX_CHECK(EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine"));
-  EPX_CHECK(check_order(comm, handle, true, part, "epx_combine"));
+  begin_call(comm, EPXI_OP_COMBINE, handle);
+  epxi_stamp_combine(&comm->stamp, args);
+  /* other parts check the struct with the rest of the arguments; a refusal still takes part */
+  epx_status_t refused = part == EPX_PART_COMPLETE
+                             ? EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine")
+                             : EPX_SUCCESS;
+  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, false, "epx_combine");
+  if (refused == EPX_SUCCESS) refused = check_order(comm, handle, true, part, "epx_combine");
+  if (refused != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, refused, REFUSED_HANDLE_OR_ORDER);
   if (part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
     return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
   epx_status_t bad = check_combine_args(comm, args);
   if (bad == EPX_SUCCESS && !handle->planned)
     bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_combine: the handle has no plan yet (call epx_notify or dispatch)");
-  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad);
+  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad, REFUSED_ARGS);
   return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
 }
 

@@ -163,6 +163,7 @@ static void node_partials(const epxh_nodes_t *nd, const epxh_ops_t *ops, const v
         ops->load(vals[nd->my_node * nd->P + j], y_dtype, r, H, v);
         for (int c = 0; c < H; c++) sub[c] += v[c];
       }
+      ops->canonical(sub, H);
       if (n == nd->my_node)
         memcpy(own + (k - nd->region[n]) * H, sub, sizeof(float) * H);
       else
@@ -195,6 +196,7 @@ epx_status_t epxh_nodes_combine(const epxh_nodes_t *nd, epx_comm_t *comm, const 
       }
       for (int c = 0; c < H; c++) acc[c] += term[c];
     }
+    ops->canonical(acc, H);
     ops->store(out, out_dtype, t, H, acc);
   }
   traffic->combine_bytes = (nd->flat ? nd->sent_remote : crossed) * (int64_t)row_bytes;

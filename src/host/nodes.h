@@ -8,10 +8,11 @@
 
 #include "core/internal.h"
 
-/* host.c's row conversions, so that both files convert alike. */
+/* host.c's row conversions and its NaN rule for sums, so that both files convert alike. */
 typedef struct {
   void (*load)(const void *base, epx_dtype_t dtype, int64_t row, int hidden, float *out);
   void (*store)(void *base, epx_dtype_t dtype, int64_t row, int hidden, const float *in);
+  void (*canonical)(float *v, int hidden); /* a sum's NaN is the canonical one */
 } epxh_ops_t;
 
 /* One rank's part of a plan's node path. P is the node size the order uses (the config's,

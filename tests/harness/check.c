@@ -64,6 +64,7 @@ int check_status_at(const char *file, int line, const char *expr, epx_status_t g
 }
 
 long check_failures(void) { return atomic_load(&failed_here); }
+long check_failures_all(void) { return atomic_load(&counters->failed); }
 
 static uint32_t elem_bits(epx_dtype_t t, const void *p, int64_t i) {
   switch (epx_dtype_size(t)) {

@@ -48,6 +48,8 @@ int check_bits_at(const char *file, int line, const char *what, epx_dtype_t t, c
                   int64_t n, int row);
 /* Failures this process recorded (since tu_enter_process in a forked one). */
 long check_failures(void);
+/* Failures of the whole test, forked processes' included. */
+long check_failures_all(void);
 
 #define CHECK(cond, ...)                                  \
   do {                                                    \
