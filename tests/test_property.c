@@ -136,7 +136,7 @@ static void one_case(int i) {
   const int minimal = tu_int(&tu_rng, 0, 3) == 0;
   /* Every algorithm gives the same bits: the all-to-all baseline must match too. */
   const epx_algo_t algo = tu_int(&tu_rng, 0, 3) == 0 ? EPX_ALGO_ALLTOALL : EPX_ALGO_HT;
-  const int P = pick_ranks_per_node(R);
+  const int P = pick_ranks_per_node(R); /* printed as R=R/P */
 
   int64_t T[TU_MAX_RANKS];
   const int all_empty = tu_int(&tu_rng, 0, 15) == 0;
@@ -159,14 +159,12 @@ static void one_case(int i) {
   }
   char what[320];
   snprintf(what, sizeof what,
-           "case %d [%s R=%d ranks_per_node=%d E=%d K=%d H=%d %s x=%s recv=%s y=%s out=%s align=%d form=%d weights=%d "
-           "minimal=%d]",
-           i, algo == EPX_ALGO_HT ? "ht" : "alltoall", R, P, E, K, H, sc_name[sc], tu_dtype(x), tu_dtype(recv),
-           tu_dtype(y), tu_dtype(out), align, form, weights, minimal);
+           "case %d [%s R=%d/%d E=%d K=%d H=%d %s x=%s recv=%s y=%s out=%s align=%d form=%d weights=%d minimal=%d]", i,
+           algo == EPX_ALGO_HT ? "ht" : "alltoall", R, P, E, K, H, sc_name[sc], tu_dtype(x), tu_dtype(recv), tu_dtype(y),
+           tu_dtype(out), align, form, weights, minimal);
 
   tu_moe_t m;
-  tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights);
-  m.ranks_per_node = P; /* the order dense_moe follows */
+  tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights), m.ranks_per_node = P; /* dense_moe's order */
   /* Sometimes weights of exactly 0 on chosen experts: still routed (only -1 means none). */
   const int zero_weights = weights && tu_int(&tu_rng, 0, 4) == 0;
   if (zero_weights)
@@ -204,8 +202,7 @@ static void one_case(int i) {
     /* A second routing on the same handles (re-plan), fresh tokens. */
     tu_moe_free(&m);
     for (int r = 0; r < R; r++) T[r] = tu_int(&tu_rng, 0, maxT);
-    tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights);
-    m.ranks_per_node = P;
+    tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights), m.ranks_per_node = P;
     if (specials) add_specials(&m, specials);
     if (form >= TU_FORM_MAP) tu_moe_make_map(&m);
     snprintf(w2, sizeof w2, "%s token layout, re-planned", what);
