@@ -72,7 +72,8 @@ EPX_API int epx_get_version(void);
  * version (major and minor) is not its own with EPX_ERR_INVALID_ARGUMENT, so a program built
  * against another epx.h fails with a message instead of reading fields that are not there.
  * Always set a struct up with its init function, then change the fields you need. New fields
- * are added at the end. (epx_routing_t, epx_handle_info_t and epx_unique_id_t are fixed.) */
+ * are added at the end. (epx_routing_t, epx_handle_info_t, epx_node_traffic_t and epx_unique_id_t are
+ * fixed.) */
 
 /* Limits the API checks against. */
 #define EPX_MAX_RANKS 64
@@ -211,6 +212,11 @@ typedef struct {
   int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers */
   int num_sms;              /* SM budget of every GPU launch of this comm (default 16) */
   int timeout_ms;           /* bound of every wait; 0 takes EPX_TIMEOUT_MS (default 30000) */
+  int ranks_per_node;       /* ranks per node (GPUs joined by NVLink; nodes joined by a network):
+                               node n holds ranks [n * ranks_per_node, (n + 1) * ranks_per_node).
+                               0 or nranks: one node. Otherwise a divisor of nranks; combine then
+                               pre-reduces inside each node (docs/design.md, "Nodes"). The host
+                               backend simulates nodes; CUDA refuses them (EPX_ERR_UNSUPPORTED). */
 } epx_config_t;
 
 EPX_API void epx_config_init(epx_config_t *cfg);
@@ -324,6 +330,20 @@ typedef struct {
  * the device knows them. tokens_per_local_expert may be NULL ([L], unpadded pair counts). */
 EPX_API epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info,
                              int32_t *tokens_per_local_expert);
+
+/* Bytes that crossed a node boundary into this rank in the handle's last dispatch and last
+ * combine, next to what one crossing per destination rank would have moved. Dispatch: the
+ * rows this rank received from other nodes (on the node path, as a rail peer that forwards
+ * them; rows of recv_dtype, fp8 with its scales, or x_dtype for an expert-layout
+ * scale_by_probs replay). Combine: the rows of y_dtype that came back to this rank's tokens
+ * from other nodes (one per node on the node path). Summed over the group, what crossed the
+ * network. Low-latency mode crosses once per rank. 0 on one node. docs/design.md, "Nodes". */
+typedef struct {
+  int64_t dispatch_bytes, combine_bytes;           /* the node-aware path (low-latency: per rank) */
+  int64_t dispatch_bytes_per_rank, combine_bytes_per_rank; /* a row to every remote rank */
+} epx_node_traffic_t;
+
+EPX_API epx_status_t epx_handle_node_traffic(const epx_handle_t *handle, epx_node_traffic_t *traffic);
 
 /* ------------------------------------------------------------------------------------------
  * Dispatch.

@@ -53,7 +53,7 @@ from .errors import (
     error_class,
 )
 from .handle import Handle
-from .results import DispatchResult, HandleInfo, Layout
+from .results import DispatchResult, HandleInfo, Layout, NodeTraffic
 from .routing import map_to_topk, topk_to_map
 from .world import World, get_unique_id, run_threads
 
@@ -62,7 +62,7 @@ from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx 
 __all__ = [
     "Algo", "Backend", "DType", "LayoutKind", "Status", "MAX_EXPERTS", "MAX_HIDDEN", "MAX_RANKS", "MAX_TOPK",
     "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound", "LibraryVersionMismatch",
-    "World", "Comm", "Handle", "Config", "HandleInfo", "Layout", "DispatchResult",
+    "World", "Comm", "Handle", "Config", "HandleInfo", "NodeTraffic", "Layout", "DispatchResult",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "NullPointerError",
     "ExpertOutOfRangeError", "ExpertsNotDivisibleError", "TopkRangeError", "HiddenRangeError",
     "RowAlignmentError", "OutputTooSmallError", "LowLatencyOverflowError", "ConfigMismatchError",

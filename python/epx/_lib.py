@@ -170,6 +170,7 @@ class Config(Structure):
         ("max_tokens_per_rank", c_int),
         ("num_sms", c_int),
         ("timeout_ms", c_int),
+        ("ranks_per_node", c_int),
     ]
 
 
@@ -201,6 +202,15 @@ class HandleInfo(Structure):
         ("num_recv_rows", c_int64),
         ("num_recv_pairs", c_int64),
         ("num_sent_copies", c_int64),
+    ]
+
+
+class NodeTraffic(Structure):
+    _fields_ = [
+        ("dispatch_bytes", c_int64),
+        ("combine_bytes", c_int64),
+        ("dispatch_bytes_per_rank", c_int64),
+        ("combine_bytes_per_rank", c_int64),
     ]
 
 
@@ -283,6 +293,7 @@ _FUNCTIONS = {
     "epx_handle_destroy": (c_enum, [_P]),
     "epx_notify": (c_enum, [_P, _P, POINTER(Routing)]),
     "epx_handle_info": (c_enum, [_P, POINTER(HandleInfo), _P]),
+    "epx_handle_node_traffic": (c_enum, [_P, POINTER(NodeTraffic)]),
     "epx_dispatch_args_init": (None, [POINTER(DispatchArgs)]),
     "epx_dispatch": (c_enum, [_P, _P, POINTER(Routing), POINTER(DispatchArgs)]),
     "epx_combine_args_init": (None, [POINTER(CombineArgs)]),

@@ -21,7 +21,7 @@ from .comm import Comm
 from .config import _parse_algo, _parse_layout
 from .dtypes import _parse_float_dtype
 from .errors import UnsupportedError, _arg_error, _check, _dtype_error, _raise, _shape_error
-from .results import DispatchResult, HandleInfo
+from .results import DispatchResult, HandleInfo, NodeTraffic
 from .routing import _routing
 from .world import _Owned
 
@@ -131,6 +131,13 @@ class Handle(_Owned):
         _check(_lib.load().epx_handle_info(self._p(), ctypes.byref(inf), counts.ctypes.data), "epx_handle_info")
         return HandleInfo(inf.num_send_tokens, inf.num_recv_tokens, inf.num_recv_rows, inf.num_recv_pairs,
                           inf.num_sent_copies, counts)
+
+    def node_traffic(self) -> NodeTraffic:
+        """Bytes that crossed node boundaries into this rank in the last dispatch and combine
+        (config.ranks_per_node), next to what one crossing per destination rank would move."""
+        t = _lib.NodeTraffic()
+        _check(_lib.load().epx_handle_node_traffic(self._p(), ctypes.byref(t)), "epx_handle_node_traffic")
+        return NodeTraffic(t.dispatch_bytes, t.combine_bytes, t.dispatch_bytes_per_rank, t.combine_bytes_per_rank)
 
     def _host_rows(self) -> Optional[int]:
         """Rows of the current plan's receive buffer, or None when only the device knows."""

@@ -210,7 +210,7 @@ static epx_status_t check_config(const epx_config_t *c, int nranks) {
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.max_tokens_per_rank %d < 0", c->max_tokens_per_rank);
   if (c->num_sms < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.num_sms %d < 0", c->num_sms);
   if (c->timeout_ms < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.timeout_ms %d < 0", c->timeout_ms);
-  return EPX_SUCCESS;
+  return epxi_nodes_check_config(c, nranks);
 }
 
 /* What every rank contributes to the config exchange. */
@@ -220,7 +220,7 @@ typedef struct {
 } config_vote_t;
 
 /* The fields ranks must agree on (timeouts may differ). */
-#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(max_tokens_per_rank) X(num_sms)
+#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(max_tokens_per_rank) X(num_sms) X(ranks_per_node)
 
 static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int rank) {
   if (votes[rank].status != EPX_SUCCESS) return votes[rank].status; /* its own message stands */
@@ -252,10 +252,12 @@ epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg
   config_vote_t mine = {.status = check_config(cfg, world->nranks), .cfg = *cfg};
   if (mine.cfg.num_sms == 0) mine.cfg.num_sms = epxi_env()->num_sms;
   if (mine.cfg.timeout_ms == 0) mine.cfg.timeout_ms = epxi_env()->timeout_ms;
+  mine.cfg.ranks_per_node = epxi_nodes_resolve(mine.cfg.ranks_per_node, world->nranks);
   config_vote_t votes[EPX_MAX_RANKS];
   EPX_CHECK(epxi_group_allgather(world->group, rank, "comm_init:config", mine.cfg.timeout_ms, &mine, sizeof mine,
                                  votes));
   EPX_CHECK(compare_configs(votes, world->nranks, rank));
+  EPX_CHECK(epxi_nodes_supported(world->ops, &mine.cfg, world->nranks));
 
   epx_comm_t *c = calloc(1, sizeof *c);
   if (!c) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "comm");

@@ -219,6 +219,7 @@ struct epx_handle {
   bool planned;
   bool dispatch_follows; /* during a notify made by epx_dispatch: a failing rank aborts both */
   void *impl;            /* backend's per-handle state */
+  epx_node_traffic_t traffic; /* of the last dispatch and combine, counted by the backend */
 };
 
 
@@ -250,6 +251,9 @@ struct epxi_backend {
    * takes part with any handle (NULL, another comm's) and in any part (a lone COMPLETE).
    * Without it the core keeps refusing those calls without taking part. */
   bool stamped;
+  /* Implements groups of several nodes (config.ranks_per_node < nranks): the node-aware
+   * combine order and the handle's node traffic (core/nodes.c). */
+  bool nodes;
 };
 
 extern const epxi_backend_t epxi_host_backend;
@@ -294,6 +298,15 @@ void epxi_expert_blocks(const epxi_counts_t *c, int d, int align, int64_t *block
 /* First row of source s's pairs inside expert l's block on d. */
 int64_t epxi_expert_source_base(const epxi_counts_t *c, int d, int l, int s);
 static inline int64_t epxi_round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+/* ---- nodes (nodes.c) ------------------------------------------------------------------- */
+
+/* config.ranks_per_node: 0 or a divisor of nranks (at most nranks). */
+epx_status_t epxi_nodes_check_config(const epx_config_t *cfg, int nranks);
+/* The ranks of one node after defaults: 0 becomes nranks. */
+int epxi_nodes_resolve(int ranks_per_node, int nranks);
+/* EPX_ERR_UNSUPPORTED, on every rank alike, for several nodes on a backend without them. */
+epx_status_t epxi_nodes_supported(const epxi_backend_t *ops, const epx_config_t *cfg, int nranks);
 
 /* ---- a range allocator (suballoc.c) ---------------------------------------------------- */
 

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/internal.h"
+#include "host/nodes.h"
 
 /* ---- rows in any element type ---------------------------------------------------------- */
 
@@ -90,9 +91,11 @@ typedef struct {
   int64_t *recv_row;   /* [N, K]: expert-layout row of each slot, -1 if not on this rank */
   int32_t *pairs_per_local; /* [L] */
   int64_t *block;            /* [L + 1]: first row of each local expert's block here */
+  epxh_nodes_t nodes;        /* the node path (host/nodes.c) */
 } host_plan_t;
 
 static void plan_clear(host_plan_t *p) {
+  epxh_nodes_clear(&p->nodes);
   free(p->tok);
   free(p->pair);
   epxi_topk_free(&p->route);
@@ -185,6 +188,9 @@ static epx_status_t agree(epx_comm_t *comm, const char *phase, epx_status_t mine
   return epxi_stamp_compare(all, comm->nranks, comm->rank, phase);
 }
 
+/* What the node path (host/nodes.c) borrows from this file. */
+static const epxh_ops_t host_ops = {.load = load_row, .store = store_row, .canonical = canonical_row};
+
 /* Shares `bytes` at `data` with the peers: peers[r] is rank r's copy, readable until the
  * caller's next barrier. */
 static epx_status_t share(epx_comm_t *comm, const char *phase, const void *data, size_t bytes, const void **peers) {
@@ -267,6 +273,17 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
   free(next_pair);
 }
 
+/* The node path's plan, from every source's routing (low-latency mode: the flat order). */
+static epx_status_t plan_nodes(const epx_comm_t *comm, host_plan_t *p, const void *const *routes) {
+  int64_t T[EPX_MAX_RANKS];
+  const int32_t *idx[EPX_MAX_RANKS];
+  for (int s = 0; s < p->nranks; s++) {
+    memcpy(&T[s], routes[s], sizeof T[s]);
+    idx[s] = (const int32_t *)((const char *)routes[s] + sizeof(int64_t));
+  }
+  return epxh_nodes_plan(&p->nodes, comm, p->ll, p->topk, p->num_local, T, idx);
+}
+
 static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *routing) {
   host_plan_t *p = h->impl;
   const int R = p->nranks, E = p->num_experts, L = p->num_local, K = p->topk, me = p->rank;
@@ -336,7 +353,9 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
   if (s == EPX_SUCCESS) s = share(comm, "notify:routes", blob, route_blob_bytes(T, K), routes);
   if (s == EPX_SUCCESS) {
     plan_recv(p, routes);
+    epx_status_t nodes = plan_nodes(comm, p, routes);
     s = done_reading(comm, "notify:routes-read");
+    if (s == EPX_SUCCESS) s = agree(comm, "notify:nodes", nodes);
   }
   free(blob);
   if (s != EPX_SUCCESS) plan_clear(p);
@@ -370,14 +389,28 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   epx_status_t input = EPX_SUCCESS;
   if (T > 0 && !a->x)
     input = epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", me, (long long)T);
-  EPX_CHECK(agree(comm, "dispatch:validate", input));
+  /* rows from other nodes come through this node's rail peers */
+  void *fwd = epxh_nodes_forward_alloc(&p->nodes, H * epx_dtype_size(a->x_dtype), &input);
+  input = agree(comm, "dispatch:validate", input);
+  if (input != EPX_SUCCESS) {
+    free(fwd);
+    return input;
+  }
   epx_status_t s = EPX_SUCCESS;
   if (!p->ll && a->recv_capacity < p->num_rows)
     s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld", me,
                   (long long)p->num_rows, (long long)a->recv_capacity);
 
-  const void *xs[EPX_MAX_RANKS];
-  EPX_CHECK(share(comm, "dispatch:x", a->x, (size_t)T * H * epx_dtype_size(a->x_dtype), xs));
+  const void *xs[EPX_MAX_RANKS], *fwds[EPX_MAX_RANKS];
+  /* fp8 is quantised at the source, unless each expert scales its copy (then x crosses) */
+  const bool fp8_wire = a->recv_dtype == EPX_FP8_E4M3 && !(a->scale_by_probs && p->expert_layout);
+  const size_t x_row = H * epx_dtype_size(a->x_dtype), wire = fp8_wire ? H + sizeof(float) * scale_blocks(H) : x_row;
+  epx_status_t shared = share(comm, "dispatch:x", a->x, (size_t)T * x_row, xs);
+  if (shared == EPX_SUCCESS) shared = epxh_nodes_forward(&p->nodes, comm, xs, x_row, wire, fwd, fwds, &h->traffic);
+  if (shared != EPX_SUCCESS) {
+    free(fwd);
+    return shared;
+  }
   float *row = malloc(sizeof(float) * H), *scaled = malloc(sizeof(float) * H);
   if (!row || !scaled) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "dispatch row");
   if (s == EPX_SUCCESS && p->expert_layout && !p->ll) /* padding rows: zero data, zero weight */
@@ -392,11 +425,12 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   const bool copy = a->recv_dtype == a->x_dtype;
   const size_t row_bytes = (size_t)H * epx_dtype_size(a->x_dtype);
   for (int64_t n = 0; n < p->num_recv && s == EPX_SUCCESS; n++) {
-    const void *src_x = xs[p->recv_src[n]];
-    load_row(src_x, a->x_dtype, p->recv_tok[n], H, row);
+    int64_t from_row;
+    const void *from = epxh_nodes_arrival(&p->nodes, n, p->recv_src[n], p->recv_tok[n], xs, fwds, &from_row);
+    load_row(from, a->x_dtype, from_row, H, row);
     if (!p->expert_layout) {
       if (copy)
-        copy_row(a->recv_x, n, src_x, p->recv_tok[n], row_bytes);
+        copy_row(a->recv_x, n, from, from_row, row_bytes);
       else
         store_recv_row(a, a->recv_x, a->recv_scales, n, H, row);
       if (a->recv_topk_idx) memcpy(a->recv_topk_idx + n * K, p->recv_local + n * K, sizeof(int32_t) * K);
@@ -411,7 +445,7 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
         for (int c = 0; c < H; c++) scaled[c] = canonical(w * row[c]);
         store_recv_row(a, a->recv_x, a->recv_scales, r, H, scaled);
       } else if (copy) {
-        copy_row(a->recv_x, r, src_x, p->recv_tok[n], row_bytes);
+        copy_row(a->recv_x, r, from, from_row, row_bytes);
       } else {
         store_recv_row(a, a->recv_x, a->recv_scales, r, H, row);
       }
@@ -420,7 +454,9 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   }
   free(row);
   free(scaled);
-  EPX_CHECK(done_reading(comm, "dispatch:x-read"));
+  epx_status_t read = done_reading(comm, "dispatch:x-read");
+  free(fwd);
+  EPX_CHECK(read);
   if (s == EPX_SUCCESS) {
     if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
     if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
@@ -477,9 +513,11 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   if (T > 0 && !a->out) s = epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: out is NULL", me);
   void *partials = NULL;
   if (s == EPX_SUCCESS && p->expert_layout) s = reduce_partials(p, a, &partials);
+  void *node_partials = epxh_nodes_combine_alloc(&p->nodes, H, a->y_dtype, &s);
   s = agree(comm, "combine:validate", s);
   if (s != EPX_SUCCESS) {
     free(partials);
+    free(node_partials);
     return s;
   }
 
@@ -495,23 +533,15 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   }
   if (s != EPX_SUCCESS) {
     free(partials);
+    free(node_partials);
     return s;
   }
 
-  /* Source side: sum what comes back from each destination, in rank order. */
-  float *acc = malloc(sizeof(float) * H), *y = malloc(sizeof(float) * H);
-  epx_dtype_t row_dtype = a->y_dtype;
-  for (int64_t t = 0; t < T; t++) {
-    for (int c = 0; c < H; c++) acc[c] = 0.0f;
-    for (int d = 0; d < R; d++) {
-      int64_t r = p->dest_row[t * R + d];
-      if (r < 0) continue;
-      load_row(rows[d], row_dtype, r, H, y);
-      for (int c = 0; c < H; c++) acc[c] += y[c];
-    }
-    canonical_row(acc, H);
-    store_row(a->out, a->out_dtype, t, H, acc);
-    if (!a->topk_weight_grad) continue;
+  /* Source side: what comes back from each node, in node order, each node's ranks summed by
+   * its rail peer in rank order (host/nodes.c; one node: the ranks in rank order). */
+  s = epxh_nodes_combine(&p->nodes, comm, &host_ops, rows, a->y_dtype, a->out, a->out_dtype, node_partials,
+                         &h->traffic);
+  for (int64_t t = 0; t < T && s == EPX_SUCCESS && a->topk_weight_grad; t++) {
     for (int k = 0; k < K; k++) {
       int e = p->route.idx[t * K + k];
       float g = 0.0f;
@@ -523,11 +553,10 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
       a->topk_weight_grad[t * K + k] = g;
     }
   }
-  free(acc);
-  free(y);
-  s = done_reading(comm, "combine:read");
+  epx_status_t read = done_reading(comm, "combine:read");
+  free(node_partials);
   free(partials);
-  return s;
+  return s != EPX_SUCCESS ? s : read;
 }
 
 /* Every operation opens with an agreement on the ranks' statuses: joining it is enough. */
@@ -548,4 +577,5 @@ const epxi_backend_t epxi_host_backend = {
     .combine = host_combine,
     .abort = host_abort,
     .stamped = true,
+    .nodes = true,
 };
