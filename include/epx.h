@@ -53,7 +53,7 @@ extern "C" {
 
 /* Limits the API checks against. */
 #define EPX_MAX_RANKS 64
-#define EPX_MAX_TOPK 16
+#define EPX_MAX_TOPK 32   /* the CUDA backend takes up to 16 (EPX_ERR_UNSUPPORTED at epx_comm_init) */
 #define EPX_MAX_EXPERTS 4096
 #define EPX_MAX_HIDDEN 65536
 #define EPX_FP8_BLOCK 128 /* channels per fp8 scale */
@@ -175,7 +175,9 @@ typedef struct {
   int num_experts;          /* E, a multiple of the group size */
   int hidden;               /* H */
   int topk;                 /* K, 1..EPX_MAX_TOPK */
-  int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers */
+  int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers. Ranks
+                               may pass different values: epx_comm_init takes the group's largest
+                               (epx_comm_config shows it), so every rank's tokens fit */
   int num_sms;              /* SM budget of every GPU launch of this comm (default 16) */
   int timeout_ms;           /* bound of every wait; 0 takes EPX_TIMEOUT_MS (default 30000) */
 } epx_config_t;
@@ -184,7 +186,7 @@ EPX_API void epx_config_init(epx_config_t *cfg);
 
 /* Collective over the group. Checks the config, then compares it with every other rank's:
  * any difference fails on every rank with EPX_ERR_CONFIG_MISMATCH naming the field and the
- * ranks. */
+ * ranks, except max_tokens_per_rank (the group's maximum is taken) and timeout_ms. */
 EPX_API epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm);
 EPX_API epx_status_t epx_comm_destroy(epx_comm_t *comm);
 EPX_API int epx_comm_rank(const epx_comm_t *comm);
@@ -238,6 +240,13 @@ EPX_API epx_status_t epx_topk_to_map(int64_t num_tokens, int num_experts, int to
  *   is_token_in_rank [T, R]: bool */
 EPX_API epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
+/* The same layout from the group's shape alone, before any comm exists (a framework asks for
+ * the layout before it knows the hidden size): nranks ranks of num_experts / nranks experts
+ * each, K = topk columns of topk_idx. Host memory only; validates the routing as
+ * epx_notify does. */
+EPX_API epx_status_t epx_layout_counts(int nranks, int num_experts, int topk, const epx_routing_t *routing,
+                                       int32_t *tokens_per_rank, int32_t *tokens_per_expert,
+                                       uint8_t *is_token_in_rank);
 
 /* ------------------------------------------------------------------------------------------
  * Handles: the plan of one dispatch.
@@ -260,6 +269,11 @@ typedef struct {
   int exact;            /* CUDA: 1 = epx_notify waits for the counts so the host knows them;
                            0 = sync-free, counts stay on the device. The host backend always
                            knows them. */
+  int64_t recv_budget;  /* expert layout, EPX_ALGO_HT: at most this many rows (padding included)
+                           arrive on this rank; pairs past it are dropped (docs/design.md,
+                           "Receive budget"). 0 = no budget. Ranks may pass different budgets.
+                           Backends that cannot drop yet (CUDA) refuse a budget with
+                           EPX_ERR_UNSUPPORTED at epx_handle_create. */
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
@@ -279,6 +293,7 @@ typedef struct {
   int64_t num_recv_rows;     /* expert layout rows, padding included */
   int64_t num_recv_pairs;    /* (token, local expert) pairs arriving */
   int64_t num_sent_copies;   /* (token, destination rank) crossings this rank sends */
+  int64_t num_dropped_pairs; /* receive budget: (token, expert) pairs the whole group dropped */
 } epx_handle_info_t;
 
 /* Host-side sizes of the last plan. EPX_ERR_UNSUPPORTED in CUDA sync-free mode, where only
@@ -332,6 +347,10 @@ typedef struct {
   int scale_by_probs;         /* expert layout: multiply each row by its weight (float32
                                  product, rounded once): combine's backward */
   epx_part_t part;            /* EPX_PART_ALL unless split (see epx_part_t) */
+  int32_t *dropped;           /* optional: [1], where the backend computes: the pairs the whole
+                                 group dropped past its receive budgets in this plan, 0 when
+                                 none (the same on every rank). Written by backends that take a
+                                 budget; the others (which refuse one) leave it as it is */
 } epx_dispatch_args_t;
 
 EPX_API void epx_dispatch_args_init(epx_dispatch_args_t *args);

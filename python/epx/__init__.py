@@ -82,6 +82,8 @@ from .core import (
     topk_to_map,
 )
 
+from .layout import layout_counts
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -95,5 +97,5 @@ __all__ = [
     "SystemCallError", "CudaError", "BrokenCommError", "InternalError", "error_class",
     "backend_available", "backend_unavailable_reason", "library_path", "status_string", "get_unique_id",
     "map_to_topk", "topk_to_map", "float32_to_bf16_bits", "bf16_bits_to_float32", "e4m3_to_float32",
-    "quantize_e4m3", "dequantize_e4m3", "run_threads",
+    "quantize_e4m3", "dequantize_e4m3", "run_threads", "layout_counts",
 ]

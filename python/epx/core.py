@@ -645,6 +645,7 @@ class HandleInfo:
     num_recv_pairs: int
     num_sent_copies: int
     tokens_per_local_expert: np.ndarray
+    num_dropped_pairs: int = 0
 
 
 @dataclasses.dataclass
@@ -1188,9 +1189,10 @@ class Comm(_Owned):
             return
         _check(lib.epx_comm_synchronize(self._p()), "epx_comm_synchronize")
 
-    def handle(self, algo="ht", layout="token", align: int = 1, exact: bool = True) -> "Handle":
+    def handle(self, algo="ht", layout="token", align: int = 1, exact: bool = True,
+               recv_budget: int = 0) -> "Handle":
         """A dispatch plan holder; see :class:`Handle`."""
-        return Handle(self, algo, layout, align, exact)
+        return Handle(self, algo, layout, align, exact, recv_budget)
 
     def layout(self, topk_idx=None, topk_weights=None, *, routing_map=None, probs=None) -> Layout:
         """Per-rank counts of a routing (local, not collective): tokens per destination rank
@@ -1300,12 +1302,18 @@ class Handle(_Owned):
     grouped by local expert, each block padded to ``align`` rows). ``exact`` (CUDA): notify
     waits for the counts so outputs can be sized exactly; ``False`` is sync-free.
 
+    ``recv_budget`` (expert layout of 'ht'): at most that many rows arrive on this rank; pairs
+    past it are dropped by the contract's rule (docs/design.md, "Receive budget") and
+    ``DispatchResult.dropped`` ([1] int32) counts the pairs the whole group dropped. The CUDA
+    backend refuses a budget for now (:class:`UnsupportedError`).
+
     Re-plan it with new routings as often as you like (``notify`` or ``dispatch`` with a
     routing). ``plan_id`` counts the plans, so a backward pass can tell the plan it needs is
     still the handle's.
     """
 
-    def __init__(self, comm: Comm, algo="ht", layout="token", align: int = 1, exact: bool = True):
+    def __init__(self, comm: Comm, algo="ht", layout="token", align: int = 1, exact: bool = True,
+                 recv_budget: int = 0):
         self._ptr = None
         lib = _lib.load()
         hc = _lib.HandleConfig()
@@ -1316,6 +1324,10 @@ class Handle(_Owned):
             _arg_error(f"align must be an int >= 1, got {align!r}")
         hc.align = int(align)
         hc.exact = 1 if exact else 0
+        if not isinstance(recv_budget, (int, np.integer)) or recv_budget < 0:
+            _arg_error(f"recv_budget must be an int >= 0, got {recv_budget!r}")
+        hc.recv_budget = int(recv_budget)
+        self.recv_budget = int(recv_budget)
         self.comm = comm
         self._algo = Algo(hc.algo)
         self._layout = _LayoutKind.EXPERT if self._algo == Algo.LL else _LayoutKind(hc.layout)
@@ -1395,7 +1407,7 @@ class Handle(_Owned):
         inf = _lib.HandleInfo()
         _check(_lib.load().epx_handle_info(self._p(), ctypes.byref(inf), counts.ctypes.data), "epx_handle_info")
         return HandleInfo(inf.num_send_tokens, inf.num_recv_tokens, inf.num_recv_rows, inf.num_recv_pairs,
-                          inf.num_sent_copies, counts)
+                          inf.num_sent_copies, counts, inf.num_dropped_pairs)
 
     def _host_rows(self) -> Optional[int]:
         """Rows of the current plan's receive buffer, or None when only the device knows."""
@@ -1523,6 +1535,7 @@ class Handle(_Owned):
         rprobs = None if token else fe.alloc(lead, DType.FLOAT32, device=dev, zero=True)
         counts = fe.alloc((L,), DType.INT32, device=dev, zero=True)
         nrows = fe.alloc((1,), DType.INT64, device=dev, zero=True)
+        dropped = fe.alloc((1,), DType.INT32, device=dev, zero=True)
 
         a = _lib.DispatchArgs()
         lib.epx_dispatch_args_init(ctypes.byref(a))
@@ -1538,6 +1551,7 @@ class Handle(_Owned):
         a.tokens_per_local_expert = fe.ptr(counts)
         a.num_recv_rows = fe.ptr(nrows)
         a.scale_by_probs = 1 if scale_by_probs else 0
+        a.dropped = fe.ptr(dropped)
         if routing is not None:
             self._num_tokens = None
             self._rows = None
@@ -1564,6 +1578,7 @@ class Handle(_Owned):
                 if v is not None:
                     setattr(res, f, fe.slice_rows(v, rows_known))
         res._num_recv_rows_buf = nrows
+        res.dropped = dropped  # [1] int32: pairs the group dropped past its receive budgets
         self._last_counts = counts  # (low-latency backward masks rows past the counts)
         return res
 

@@ -1,0 +1,187 @@
+"""What the drop-in layer needs from the library, against independent statements: the receive
+budget's drop rule, the comm-free layout call, ranks with different max_tokens_per_rank, top-k
+up to EPX_MAX_TOPK; and epx.compat.install's refusal to shadow a real deep_ep."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import epx
+from moe_ref import make_inputs, rng
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def budget_reference(xs, idxs, R, L, d, align, budget):
+    """Rank d's expert layout under a receive budget, straight from docs/design.md: experts
+    filled in ascending order, each keeping the first pairs (source rank, token order) that fit
+    whole aligned blocks. Returns (rows, probs, kept counts [L], kept {(s, t, k): row}, dropped)."""
+    H = xs[0].shape[1]
+    rows, probs, counts, kept, dropped = [], [], np.zeros(L, np.int32), {}, 0
+    used = 0
+    for l in range(L):
+        pairs = [(s, t, k) for s in range(R) for t in range(xs[s].shape[0]) for k in range(idxs[s].shape[1])
+                 if idxs[s][t, k] == d * L + l]
+        room = max(budget - used, 0) // align * align if budget else len(pairs)
+        keep = min(len(pairs), room)
+        dropped += len(pairs) - keep
+        counts[l] = keep
+        size = (keep + align - 1) // align * align
+        for i in range(size):
+            if i < keep:
+                s, t, k = pairs[i]
+                kept[(s, t, k)] = used + i
+                rows.append(xs[s][t])
+                probs.append(float(i + 1))  # stand-in weights: see the test
+            else:
+                rows.append(np.zeros(H, np.float32))
+                probs.append(0.0)
+        used += size
+    return np.array(rows, np.float32).reshape(-1, H), np.array(probs, np.float32), counts, kept, dropped
+
+
+@pytest.mark.parametrize("align,budget_of", [(1, lambda r: 7 + 3 * r), (4, lambda r: 10 + 4 * r), (2, lambda r: 0)])
+def test_receive_budget_drops_by_the_contract(align, budget_of):
+    R, L, H, K = 3, 2, 16, 3
+    E = R * L
+    tokens = [int(rng(900 + align).integers(5, 14)) for _ in range(R)]
+    xs, idxs, ws = make_inputs(910 + align, R, E, H, K, tokens)
+    budgets = [budget_of(r) for r in range(R)]
+    refs = [budget_reference(xs, idxs, R, L, d, align, budgets[d]) for d in range(R)]
+    total_dropped = sum(r[4] for r in refs)
+    with epx.World(nranks=R, backend="host") as world:
+        def rank_fn(r):
+            with world.comm(r, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=16) as c, \
+                    c.handle("ht", "expert", align=align, recv_budget=budgets[r]) as h:
+                res = h.dispatch(xs[r], topk_idx=idxs[r], topk_weights=ws[r])
+                # weight gradient: each row sends back its own row number + 1
+                rwg = np.zeros(res.recv_x.shape[0], np.float32)
+                for (s, t, k), row in refs[r][3].items():
+                    rwg[row] = row + 1
+                out, twg = h.combine(res.recv_x, weighted=False, row_weight_grad=rwg)
+                return res, out, twg, h.info()
+        got = world.run(rank_fn)
+    for d in range(R):
+        res, _, _, info = got[d]
+        rows, _, counts, kept, _ = refs[d]
+        assert res.recv_x.shape == rows.shape, (d, res.recv_x.shape, rows.shape)
+        assert res.recv_x.tobytes() == rows.tobytes(), f"rank {d}: rows differ"
+        assert np.array_equal(res.tokens_per_local_expert, counts)
+        assert budgets[d] == 0 or rows.shape[0] <= budgets[d]
+        assert int(res.dropped[0]) == total_dropped and info.num_dropped_pairs == total_dropped
+    assert (total_dropped > 0) == any(budgets), "the budgets should drop something here"
+    for s in range(R):
+        _, out, twg, _ = got[s]
+        for t in range(tokens[s]):
+            acc = np.float32(0)
+            for d in range(R):
+                if not any(idxs[s][t, k] >= 0 and idxs[s][t, k] // L == d for k in range(K)):
+                    continue
+                part = np.zeros(H, np.float32)
+                for l in range(L):  # the pairs kept on d, by local expert
+                    for k in range(K):
+                        if idxs[s][t, k] == d * L + l and (s, t, k) in refs[d][3]:
+                            part = part + xs[s][t]
+                acc = acc + part
+            assert np.array(acc, np.float32).tobytes() == np.broadcast_to(acc, (H,)).astype(np.float32).tobytes()
+            assert out[t].tobytes() == np.broadcast_to(acc, (H,)).astype(np.float32).tobytes(), (s, t)
+            for k in range(K):
+                e = idxs[s][t, k]
+                want = 0.0 if e < 0 or (s, t, k) not in refs[e // L][3] else refs[e // L][3][(s, t, k)] + 1
+                assert twg[t, k] == want, (s, t, k)
+
+
+def test_layout_counts_needs_no_comm():
+    R, L, K = 4, 3, 5
+    xs, idxs, _ = make_inputs(930, 1, R * L, 16, K, [23])
+    idx = idxs[0]
+    tpr, tpe, itr = epx.layout_counts(idx, nranks=R, num_experts=R * L)
+    want_tpe = np.bincount(idx[idx >= 0], minlength=R * L)
+    want_itr = np.zeros((idx.shape[0], R), bool)
+    for t in range(idx.shape[0]):
+        for e in idx[t][idx[t] >= 0]:
+            want_itr[t, e // L] = True
+    assert np.array_equal(tpe, want_tpe) and np.array_equal(itr, want_itr)
+    assert np.array_equal(tpr, want_itr.sum(0))
+    bad = idx.copy()
+    bad[0, 0] = R * L
+    with pytest.raises(epx.ExpertOutOfRangeError):
+        epx.layout_counts(bad, nranks=R, num_experts=R * L)
+    with pytest.raises(epx.ExpertsNotDivisibleError):
+        epx.layout_counts(idx, nranks=R, num_experts=R * L + 1)
+
+
+def test_ranks_may_pass_different_max_tokens():
+    with epx.World(nranks=3, backend="host") as world:
+        def rank_fn(r):
+            with world.comm(r, num_experts=6, hidden=16, topk=2, max_tokens_per_rank=10 + 5 * r) as c:
+                return c.config.max_tokens_per_rank
+        assert world.run(rank_fn) == [20, 20, 20]
+
+
+def test_topk_up_to_the_limit():
+    assert epx.MAX_TOPK == 32
+    R, L, H, K = 2, 20, 16, 32
+    xs, idxs, ws = make_inputs(940, R, R * L, H, K, [9, 6], none_frac=0.3)
+    with epx.World(nranks=R, backend="host") as world:
+        def rank_fn(r):
+            with world.comm(r, num_experts=R * L, hidden=H, topk=K) as c, c.handle("ht", "token") as h:
+                res = h.dispatch(xs[r], topk_idx=idxs[r], topk_weights=ws[r])
+                return h.combine(res.recv_x)
+        outs = world.run(rank_fn)
+    for s in range(R):  # every token comes back once per destination rank it chose
+        for t in range(xs[s].shape[0]):
+            n = len({int(e) // L for e in idxs[s][t] if e >= 0})
+            acc = np.float32(0) * xs[s][t]
+            for _ in range(n):
+                acc = acc + xs[s][t]
+            assert outs[s][t].tobytes() == acc.astype(np.float32).tobytes()
+
+
+def _run_py(code, tmp_path, extra_path=None):
+    env_path = [str(ROOT / "python")] + ([str(extra_path)] if extra_path else [])
+    src = "import sys; sys.path[:0] = %r\n" % env_path + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+def test_install_resolves_deep_ep(tmp_path):
+    pytest.importorskip("torch")
+    r = _run_py("""
+        import epx.compat
+        mod = epx.compat.install()
+        import deep_ep
+        from deep_ep import Buffer, HybridEPBuffer, Config
+        from deep_ep.utils import EventHandle, EventOverlap
+        assert deep_ep is mod and epx.compat.installed()
+        EventOverlap(EventHandle()).current_stream_wait()
+        c = Buffer.get_dispatch_config(4)
+        assert c.get_nvl_buffer_size_hint(4096, 4) > 0 and c.get_rdma_buffer_size_hint(4096, 4) == 0
+        epx.compat.uninstall()
+        assert not epx.compat.installed()
+        print("ok")
+    """, tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_install_refuses_to_shadow_a_real_deep_ep(tmp_path):
+    pytest.importorskip("torch")
+    fake = tmp_path / "site"
+    (fake / "deep_ep").mkdir(parents=True)
+    (fake / "deep_ep" / "__init__.py").write_text("REAL = True\n")
+    r = _run_py("""
+        import epx.compat
+        try:
+            epx.compat.install()
+        except RuntimeError as e:
+            assert "real deep_ep" in str(e) and "force=True" in str(e), e
+            print("refused")
+        epx.compat.install(force=True)
+        import deep_ep
+        assert not hasattr(deep_ep, "REAL")
+        print("forced")
+    """, tmp_path, extra_path=fake)
+    assert r.returncode == 0 and "refused" in r.stdout and "forced" in r.stdout, r.stderr
