@@ -31,13 +31,15 @@ def _config(case, dispatcher, backend):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = case["dtype"] == "bf16"
-    kw = dict(num_layers=case["layers"], hidden_size=case["hidden"], num_attention_heads=1,
+    kw = dict(num_layers=case["layers"], hidden_size=case["hidden"], num_attention_heads=2,
               ffn_hidden_size=case["ffn"], moe_ffn_hidden_size=case["ffn"], num_moe_experts=case["experts"],
               moe_router_topk=case["topk"], tensor_model_parallel_size=case["tp"],
               expert_model_parallel_size=case["ep"], use_cpu_initialization=True,
               moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="none", add_bias_linear=False,
               params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, moe_grouped_gemm=False,
               gradient_accumulation_fusion=False, moe_router_dtype="fp32", moe_permute_fusion=False)
+    if case["tp"] > 1:  # Megatron's MoE layer requires it with tensor parallelism
+        kw["sequence_parallel"] = True
     if case.get("capacity") is not None:
         kw["moe_expert_capacity_factor"] = case["capacity"]
     if dispatcher == "flex":
@@ -69,14 +71,15 @@ def _layers(case, dispatcher, backend, like=None):
 
 
 def _inputs(case):
-    """x and the output gradient of this data-parallel rank: [S, 1, H], S from the case's
-    per-rank token counts (the same on the ranks of one tensor-parallel group)."""
+    """x and the output gradient of this rank: [S, 1, H], S from the case's token counts per
+    data-parallel rank (the ranks of one tensor-parallel group hold equal sequence shards)."""
     import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     dp = ps.get_data_parallel_rank()
     S = case["tokens"][dp % len(case["tokens"])]
-    g = torch.Generator().manual_seed(case["seed"] * 7919 + dp)
+    g = torch.Generator().manual_seed(case["seed"] * 7919 + dist.get_rank())
     dt = torch.bfloat16 if case["dtype"] == "bf16" else torch.float32
     x = torch.randn(S, 1, case["hidden"], generator=g).to(dt)
     gy = torch.randn(S, 1, case["hidden"], generator=g).to(dt)

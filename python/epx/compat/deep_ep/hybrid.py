@@ -101,13 +101,17 @@ class HybridEPBuffer:
                               probs: Optional[torch.Tensor] = None, scaling_factor=None,
                               num_of_experts_per_rank: Optional[int] = None, pad_multiple: Optional[int] = None,
                               num_permuted_tokens: Optional[int] = None, non_blocking: bool = False,
-                              handle=None, fuse_permute_dispatch: bool = False, **_ignored):
+                              handle=None, fuse_permute_dispatch: bool = False, topk_idx=None,
+                              num_of_experts: Optional[int] = None, **_ignored):
         """``(x [P, H] grouped by local expert, probs [P], scaling_factor (None), tokens_per_expert
         [L], handle)``. Each expert's block is padded to ``pad_multiple`` rows (zeros) and
         ``tokens_per_expert`` counts the padded rows. With ``num_permuted_tokens`` and
         ``non_blocking``: x has exactly that many rows, pairs past that receive budget are dropped
         (the contract's rule) and ``handle[-1]`` says so. ``handle=`` replays that plan's layout
-        (combine's backward): probs is then None."""
+        (combine's backward): probs is then None, or the plan's row probabilities when ``probs`` is
+        passed again (a recomputed forward). The routing may also come as ``topk_idx [T, K]``
+        (global ids, -1 = none) with dense ``probs [T, E]``; ``routing_map`` wins when both are
+        given."""
         if scaling_factor is not None:
             raise NotImplementedError("epx.compat.deep_ep.HybridEPBuffer: fp8 scaling_factor is not supported yet")
         if num_of_experts_per_rank is not None and int(num_of_experts_per_rank) != self.num_local_experts:
@@ -120,10 +124,15 @@ class HybridEPBuffer:
                 res = handle.handle.dispatch(hidden.detach().contiguous())
             x = self._fit(res.recv_x, handle.budget)
             sc.finish([x])
-            return x, None, None, self._padded_counts(res.tokens_per_local_expert, align), handle
-        if routing_map is None:
-            raise ValueError("dispatch_with_permute needs routing_map (or a handle from an earlier dispatch)")
+            p = handle.recv_probs if probs is not None else None
+            return x, p, None, self._padded_counts(res.tokens_per_local_expert, align), handle
         T = hidden.shape[0]
+        if num_of_experts is not None and int(num_of_experts) != self.num_experts:
+            raise ValueError(f"num_of_experts {num_of_experts} differs from the buffer's {self.num_experts}")
+        if routing_map is None and topk_idx is not None:
+            routing_map = self._map_of(topk_idx, T)
+        if routing_map is None:
+            raise ValueError("dispatch_with_permute needs routing_map or topk_idx (or a handle from an earlier dispatch)")
         if routing_map.shape != (T, self.num_experts):
             raise ValueError(f"routing_map must be [{T}, {self.num_experts}], got {tuple(routing_map.shape)}")
         budget = int(num_permuted_tokens) if (non_blocking and num_permuted_tokens is not None) else None
@@ -137,8 +146,18 @@ class HybridEPBuffer:
             dropped = torch.zeros(1, dtype=torch.int32, device=hidden.device)
         plan = _HybridPlan(h, idx, T, self.num_experts, budget, dropped)
         x, p = self._fit(res.recv_x, budget), self._fit(res.recv_probs, budget)
+        plan.recv_probs = p
         sc.finish([x, p])
         return x, p, None, self._padded_counts(res.tokens_per_local_expert, align), plan
+
+    def _map_of(self, topk_idx: torch.Tensor, T: int) -> torch.Tensor:
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx must be [{T}, K], got shape {tuple(topk_idx.shape)}")
+        if T and (int(topk_idx.max()) >= self.num_experts or int(topk_idx.min()) < -1):
+            raise ValueError(f"topk_idx holds ids outside [-1, {self.num_experts})")
+        m = torch.zeros(T, self.num_experts + 1, dtype=torch.bool, device=topk_idx.device)
+        m.scatter_(1, torch.where(topk_idx >= 0, topk_idx, torch.full_like(topk_idx, self.num_experts)).long(), True)
+        return m[:, :self.num_experts]
 
     def _make_handle(self, comm, align, budget):
         if budget is None:
