@@ -115,9 +115,64 @@ def install():
     T.record_stream = lambda self, s: None
 
 
+class _Done:
+    def wait(self, *a, **k):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _all_gather(orig):
+    """gloo's all_gather takes equal sizes only; Megatron's sequence-parallel gather passes
+    each rank's own: gather padded to the largest, then keep each rank's rows."""
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if len({tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}) <= 1:
+            return orig(tensor_list, tensor, group=group, async_op=async_op)
+        n = max(t.shape[0] for t in tensor_list)
+        pad = tensor.new_zeros((n,) + tuple(tensor.shape[1:]))
+        pad[: tensor.shape[0]] = tensor
+        bufs = [torch.empty_like(pad) for _ in tensor_list]
+        orig(bufs, pad, group=group)
+        for out, b in zip(tensor_list, bufs):
+            out.copy_(b[: out.shape[0]])
+        return _Done() if async_op else None
+
+    return all_gather
+
+
+def _reduce_scatter_list(output, input_list, op=None, group=None, async_op=False):
+    """gloo has no reduce-scatter: a sum over the group, then this rank's part."""
+    import torch.distributed as dist
+
+    full = torch.cat([t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1) for t in input_list]).contiguous()
+    dist.all_reduce(full, group=group)
+    rank = dist.get_rank(group)
+    start = sum(t.shape[0] for t in input_list[:rank])
+    output.copy_(full[start: start + input_list[rank].shape[0]].reshape(output.shape))
+    return _Done() if async_op else None
+
+
+def _reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    return _reduce_scatter_list(output, list(input.chunk(n)), group=group, async_op=async_op)
+
+
 def install_megatron():
-    """After megatron.core's MoE modules are imported: host copies are plain copies."""
+    """After megatron.core's MoE modules are imported: host copies are plain copies, and the
+    collectives Megatron's tensor parallelism needs and gloo lacks (uneven all-gather,
+    reduce-scatter) are made from the ones it has."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers, mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     moe_utils.maybe_move_tensor_to_cpu = _to_host
     token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    dist.all_gather = _all_gather(dist.all_gather)
+    dist.reduce_scatter = _reduce_scatter_list
+    for mod in (layers, mappings):
+        if hasattr(mod, "dist_reduce_scatter_func"):
+            mod.dist_reduce_scatter_func = _reduce_scatter_tensor

@@ -16,7 +16,7 @@ from moe_ref import make_inputs, rng
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def budget_reference(xs, idxs, R, L, d, align, budget):
+def budget_reference(xs, idxs, R, L, d, align, budget, ws=None):
     """Rank d's expert layout under a receive budget, straight from docs/design.md: experts
     filled in ascending order, each keeping the first pairs (source rank, token order) that fit
     whole aligned blocks. Returns (rows, probs, kept counts [L], kept {(s, t, k): row}, dropped)."""
@@ -36,7 +36,7 @@ def budget_reference(xs, idxs, R, L, d, align, budget):
                 s, t, k = pairs[i]
                 kept[(s, t, k)] = used + i
                 rows.append(xs[s][t])
-                probs.append(float(i + 1))  # stand-in weights: see the test
+                probs.append(ws[s][t, k] if ws is not None else 0.0)
             else:
                 rows.append(np.zeros(H, np.float32))
                 probs.append(0.0)
@@ -76,23 +76,36 @@ def test_receive_budget_drops_by_the_contract(align, budget_of):
     assert (total_dropped > 0) == any(budgets), "the budgets should drop something here"
     for s in range(R):
         _, out, twg, _ = got[s]
-        for t in range(tokens[s]):
-            acc = np.float32(0)
-            for d in range(R):
-                if not any(idxs[s][t, k] >= 0 and idxs[s][t, k] // L == d for k in range(K)):
-                    continue
-                part = np.zeros(H, np.float32)
-                for l in range(L):  # the pairs kept on d, by local expert
-                    for k in range(K):
-                        if idxs[s][t, k] == d * L + l and (s, t, k) in refs[d][3]:
-                            part = part + xs[s][t]
-                acc = acc + part
-            assert np.array(acc, np.float32).tobytes() == np.broadcast_to(acc, (H,)).astype(np.float32).tobytes()
-            assert out[t].tobytes() == np.broadcast_to(acc, (H,)).astype(np.float32).tobytes(), (s, t)
-            for k in range(K):
-                e = idxs[s][t, k]
-                want = 0.0 if e < 0 or (s, t, k) not in refs[e // L][3] else refs[e // L][3][(s, t, k)] + 1
-                assert twg[t, k] == want, (s, t, k)
+        want_out, want_twg = budget_combine_reference(xs, idxs, R, L, s, refs)
+        assert out.tobytes() == want_out.tobytes(), f"rank {s}: combine differs"
+        assert np.array_equal(twg, want_twg), f"rank {s}: weight gradients differ"
+
+
+def budget_combine_reference(xs, idxs, R, L, s, refs):
+    """Source s's unweighted combine of its own rows sent back (each kept pair's row is its
+    token's x; per destination summed in local-expert order, then over destinations), and the
+    weight gradient when every row sends back its row number + 1 (0 for dropped slots)."""
+    T, K = idxs[s].shape
+    H = xs[s].shape[1]
+    out = np.zeros((T, H), np.float32)
+    twg = np.zeros((T, K), np.float32)
+    for t in range(T):
+        acc = np.zeros(H, np.float32)
+        for d in range(R):
+            if not any(idxs[s][t, k] >= 0 and idxs[s][t, k] // L == d for k in range(K)):
+                continue
+            part = np.zeros(H, np.float32)
+            for l in range(L):  # the pairs kept on d, by local expert
+                for k in range(K):
+                    if idxs[s][t, k] == d * L + l and (s, t, k) in refs[d][3]:
+                        part = part + xs[s][t]
+            acc = acc + part
+        out[t] = acc
+        for k in range(K):
+            e = idxs[s][t, k]
+            if e >= 0 and (s, t, k) in refs[e // L][3]:
+                twg[t, k] = refs[e // L][3][(s, t, k)] + 1
+    return out, twg
 
 
 def test_layout_counts_needs_no_comm():
@@ -185,3 +198,41 @@ def test_install_refuses_to_shadow_a_real_deep_ep(tmp_path):
         print("forced")
     """, tmp_path, extra_path=fake)
     assert r.returncode == 0 and "refused" in r.stdout and "forced" in r.stdout, r.stderr
+
+
+def test_hybrid_ep_buffer_budget_over_gloo():
+    """HybridEPBuffer's non_blocking receive budget across processes: x has exactly the
+    budget's rows, the kept pairs are the contract's, handle[-1] flags the drop on every rank,
+    combine and the dense probability gradient skip the dropped pairs."""
+    pytest.importorskip("torch")
+    import deep_ep_worker
+    from spawn_ranks import free_port, spawn_ranks
+
+    R, L, H, K, align = 2, 2, 16, 2, 2
+    tokens = [int(rng(960).integers(8, 16)) for _ in range(R)]
+    xs, idxs, ws = make_inputs(961, R, R * L, H, K, tokens)
+    budgets = [6, 10]
+    refs = [budget_reference(xs, idxs, R, L, d, align, budgets[d], ws) for d in range(R)]
+    dropped = sum(r[4] for r in refs)
+    port = free_port()
+    got = spawn_ranks(deep_ep_worker.budget_worker,
+                      [(r, R, port, (xs[r], idxs[r], ws[r], R * L, L, align, budgets[r])) for r in range(R)], 180)
+    for d in range(R):
+        x, probs, tpe, flag, out, pgrad = got[d]
+        rows, rprobs, counts, kept, _ = refs[d]
+        want = np.zeros((budgets[d], H), np.float32)
+        want[:rows.shape[0]] = rows
+        assert x.tobytes() == want.tobytes(), f"rank {d}: rows differ"
+        wp = np.zeros(budgets[d], np.float32)
+        wp[:rprobs.shape[0]] = rprobs
+        assert np.array_equal(probs, wp)
+        assert np.array_equal(tpe, (counts + align - 1) // align * align)
+        assert flag == dropped and dropped > 0
+        want_out, want_twg = budget_combine_reference(xs, idxs, R, L, d, refs)
+        assert out.tobytes() == want_out.tobytes(), f"rank {d}: combine differs"
+        dense = np.zeros((tokens[d], R * L), np.float32)
+        for t in range(tokens[d]):
+            for k in range(K):
+                if idxs[d][t, k] >= 0:
+                    dense[t, idxs[d][t, k]] += want_twg[t, k]
+        assert np.array_equal(pgrad, dense), f"rank {d}: probability gradients differ"

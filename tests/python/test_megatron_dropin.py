@@ -7,55 +7,22 @@ order of sums is the same on both paths the results must be bit-identical; where
 (see ``_tolerance``) they must agree to the rounding of the dtype."""
 
 import importlib.util
-import multiprocessing as mp
-import os
-import socket
-import sys
-from pathlib import Path
 
 import pytest
 
 import moe_ref
+from spawn_ranks import free_port, spawn_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron") is None
     or importlib.util.find_spec("megatron.core") is None,
     reason="needs torch and megatron-core (ci/install-megatron.sh)")
 
-HERE = Path(__file__).resolve().parent
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(case, world, timeout=240):
     import megatron_moe
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=megatron_moe.worker, args=(r, world, port, case, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, status, payload = q.get(timeout=timeout)
-            results[rank] = (status, payload)
-            if status != "ok":
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world else 1)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v[1] for r, v in results.items() if v[0] != "ok"}
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
-    assert len(results) == world, f"only ranks {sorted(results)} reported"
-    return {r: v[1] for r, v in results.items()}
+    port = free_port()
+    return spawn_ranks(megatron_moe.worker, [(r, world, port, case) for r in range(world)], timeout)
 
 
 def _tolerance(case, name):
