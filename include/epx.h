@@ -14,7 +14,10 @@
  *   epx_handle_t  the plan of one dispatch (who sent what where), reused by combine and by
  *                 both backward passes. Create once per comm and algorithm, then re-plan it
  *                 with new routings as often as you like (its storage is sized once, which is
- *                 what lets low-latency mode live inside a CUDA graph).
+ *                 what lets low-latency mode live inside a CUDA graph). Any number of handles
+ *                 may hold plans at once (a framework keeps one per MoE layer until that
+ *                 layer's backward); the host backend's plan holds memory in proportion to
+ *                 what it routed.
  *
  * Collective calls (epx_comm_init, epx_notify, epx_dispatch, epx_combine) must be made by
  * every rank of the group. A call blocks (CPU backend) or enqueues on the comm's stream

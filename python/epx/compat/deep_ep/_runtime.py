@@ -41,9 +41,11 @@ def world_for(group) -> "epx.World":
 def comm_for(group, *, num_experts: int, hidden: int, topk: int, max_tokens: int, num_sms: int = 0,
              algo: str = "ht") -> "epx.Comm":
     """A comm of `group` for these shapes, made once (collective: every rank asks for the same
-    shapes in the same order, as a framework's layers do)."""
+    shapes in the same order, as a framework's layers do). `max_tokens` counts only when the
+    comm is made, and may differ between ranks (epx takes the group's largest): it is not part
+    of the key, which every rank must compute alike."""
     w = world_for(group)
-    key = (group_key(group), algo, int(num_experts), int(hidden), int(topk), int(max_tokens), int(num_sms))
+    key = (group_key(group), algo, int(num_experts), int(hidden), int(topk), int(num_sms))
     with _lock:
         c = _comms.get(key)
     if c is None:
@@ -67,10 +69,35 @@ def release(group) -> None:
         w.close()
 
 
-def own(plan, handle: "epx.Handle") -> None:
-    """Closes `handle` when `plan` (what the framework holds until backward) is collected, so a
-    plan lives exactly as long as the framework keeps it."""
-    weakref.finalize(plan, handle.close)
+_retired = []  # (handle, event): plans the framework dropped while CUDA work may still use them
+
+
+def own(plan, handle: "epx.Handle", stream=None) -> None:
+    """Closes `handle` once `plan` (what the framework holds until backward) is collected, so a
+    plan lives exactly as long as the framework keeps it. With a CUDA `stream`, the handle is
+    retired instead: closed by a later reap() once the work queued on the stream by then is
+    done (its memory may still be in use by kernels in flight)."""
+    if stream is None:
+        weakref.finalize(plan, handle.close)
+        return
+
+    def retire():
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        with _lock:
+            _retired.append((handle, ev))
+
+    weakref.finalize(plan, retire)
+
+
+def reap() -> None:
+    """Closes the retired handles whose work has finished (never waits)."""
+    with _lock:
+        done = [(h, e) for h, e in _retired if e.query()]
+        for item in done:
+            _retired.remove(item)
+    for h, _ in done:
+        h.close()
 
 
 # ---- streams and events ----------------------------------------------------------------------

@@ -103,7 +103,7 @@ class Buffer:
     # -- DeepEP's static configuration -----------------------------------------------------
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """The SM budget of the comms made after this call (rounded to an even number, >= 2)."""
+        """The SM budget (epx's num_sms) of the comms made after this call."""
         n = int(new_num_sms)
         if n < 1:
             raise ValueError(f"num_sms must be >= 1, got {n}")
@@ -146,8 +146,11 @@ class Buffer:
     def _comm(self, num_experts: int, hidden: int, topk: int, num_tokens: int):
         if torch.cuda.is_available() and topk > _runtime.CUDA_MAX_TOPK and self.world.backend == "cuda":
             raise ValueError(f"epx's CUDA backend takes top-k up to {_runtime.CUDA_MAX_TOPK}, got {topk}")
+        # The CUDA backend sizes its buffers for max_tokens_per_rank: the first call's tokens,
+        # rounded up, cover a framework's fixed microbatch (EPX_IPC_ARENA_MB overrides).
+        T = max(int(num_tokens), 1)
         return _runtime.comm_for(self.group, num_experts=num_experts, hidden=hidden, topk=topk,
-                                 max_tokens=max(int(num_tokens), 1), num_sms=0)
+                                 max_tokens=1 << (T - 1).bit_length(), num_sms=Buffer.num_sms)
 
     # -- layout ---------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
@@ -191,14 +194,15 @@ class Buffer:
         if w is not None and w.dtype != torch.float32:
             raise TypeError(f"topk_weights must be float32 (DeepEP's rule), got {w.dtype}")
         sc = self._scope([x, topk_idx, w], previous_event, async_finish, allocate_on_comm_stream)
+        _runtime.reap()
         h = comm.handle("ht", "token")
-        with sc.run(), torch.no_grad():
+        with sc.run(), torch.no_grad():  # everything that reads the results, on the comm stream
             res = h.dispatch(x.detach(), topk_idx, w)
-        recv_idx = res.recv_topk_idx.to(topk_idx.dtype)
+            recv_idx = res.recv_topk_idx.to(topk_idx.dtype)
+            counts: List[int] = [int(c) for c in res.tokens_per_local_expert.tolist()]
         recv_w = res.recv_topk_weights
-        counts: List[int] = [int(c) for c in res.tokens_per_local_expert.tolist()]
         plan = _Plan(h, T, topk_idx.dtype)
-        _runtime.own(plan, h)
+        _runtime.own(plan, h, sc.comm_stream if sc.cuda else None)
         event = sc.finish([res.recv_x, recv_idx, recv_w])
         return res.recv_x, recv_idx, (recv_w if topk_weights is not None else None), counts, plan, event
 

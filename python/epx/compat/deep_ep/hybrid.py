@@ -53,9 +53,9 @@ class _HybridPlan(tuple):
     receive budget on some rank). The epx plan and what combine needs ride along as
     attributes."""
 
-    def __new__(cls, handle, idx, num_tokens, num_experts, budget, dropped):
+    def __new__(cls, handle, idx, num_tokens, num_experts, budget, dropped, stream=None):
         owner = _Owner(handle)
-        _runtime.own(owner, handle)
+        _runtime.own(owner, handle, stream)
         self = super().__new__(cls, (owner, idx, dropped))
         self.handle, self.idx, self.num_tokens, self.num_experts = handle, idx, num_tokens, num_experts
         self.budget = budget
@@ -122,10 +122,11 @@ class HybridEPBuffer:
         if handle is not None:
             with sc.run(), torch.no_grad():
                 res = handle.handle.dispatch(hidden.detach().contiguous())
-            x = self._fit(res.recv_x, handle.budget)
-            sc.finish([x])
+                x = self._fit(res.recv_x, handle.budget)
+                counts = self._padded_counts(res.tokens_per_local_expert, align)
+            sc.finish([x, counts])
             p = handle.recv_probs if probs is not None else None
-            return x, p, None, self._padded_counts(res.tokens_per_local_expert, align), handle
+            return x, p, None, counts, handle
         T = hidden.shape[0]
         if num_of_experts is not None and int(num_of_experts) != self.num_experts:
             raise ValueError(f"num_of_experts {num_of_experts} differs from the buffer's {self.num_experts}")
@@ -138,17 +139,17 @@ class HybridEPBuffer:
         budget = int(num_permuted_tokens) if (non_blocking and num_permuted_tokens is not None) else None
         idx, w = map_to_slots(routing_map, probs, self.topk)
         comm = self._comm()
+        _runtime.reap()
         h = self._make_handle(comm, align, budget)
-        with sc.run(), torch.no_grad():
+        with sc.run(), torch.no_grad():  # everything that reads the results, on the comm stream
             res = h.dispatch(hidden.detach().contiguous(), idx, w)
-        dropped = getattr(res, "dropped", None)
-        if dropped is None:
-            dropped = torch.zeros(1, dtype=torch.int32, device=hidden.device)
-        plan = _HybridPlan(h, idx, T, self.num_experts, budget, dropped)
-        x, p = self._fit(res.recv_x, budget), self._fit(res.recv_probs, budget)
+            x, p = self._fit(res.recv_x, budget), self._fit(res.recv_probs, budget)
+            counts = self._padded_counts(res.tokens_per_local_expert, align)
+        dropped = res.dropped
+        plan = _HybridPlan(h, idx, T, self.num_experts, budget, dropped, sc.comm_stream if sc.cuda else None)
         plan.recv_probs = p
-        sc.finish([x, p])
-        return x, p, None, self._padded_counts(res.tokens_per_local_expert, align), plan
+        sc.finish([x, p, counts, dropped])
+        return x, p, None, counts, plan
 
     def _map_of(self, topk_idx: torch.Tensor, T: int) -> torch.Tensor:
         if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
@@ -196,12 +197,12 @@ class HybridEPBuffer:
         sc = _runtime.CommStreamScope(self._stream_for(hidden), [y, rwg])
         with sc.run(), torch.no_grad():
             res = plan.handle.combine(y, out_dtype=hidden.dtype, weighted=False, row_weight_grad=rwg)
-        out, twg = res if rwg is not None else (res, None)
-        dense = None
-        if twg is not None:
-            dense = torch.zeros(plan.num_tokens, plan.num_experts, dtype=torch.float32, device=hidden.device)
-            valid = plan.idx >= 0
-            dense.scatter_add_(1, torch.where(valid, plan.idx, torch.zeros_like(plan.idx)),
-                               torch.where(valid, twg, torch.zeros_like(twg)))
+            out, twg = res if rwg is not None else (res, None)
+            dense = None
+            if twg is not None:
+                dense = torch.zeros(plan.num_tokens, plan.num_experts, dtype=torch.float32, device=hidden.device)
+                valid = plan.idx >= 0
+                dense.scatter_add_(1, torch.where(valid, plan.idx, torch.zeros_like(plan.idx)),
+                                   torch.where(valid, twg, torch.zeros_like(twg)))
         sc.finish([out, dense])
         return out, dense
