@@ -130,10 +130,12 @@ def worker(rank, world, port, case, outq):
         used = fused_a2a._buffer if case["backend"] == "deepep" else fused_a2a._hybrid_ep_buffer
         if not type(used).__module__.startswith("epx.compat."):
             raise AssertionError(f"the flex dispatcher ran on {type(used)!r}, not on epx")
+        mgr = flex[-1].token_dispatcher._comm_manager  # the last layer's routing, as dispatched
+        routed = int((mgr.token_indices >= 0).sum()) if case["backend"] == "deepep" else int(mgr.routing_map.sum())
         missing = sorted(set(g_r) ^ set(g_f))
         for name in sorted(set(g_r) & set(g_f)):
             report[name] = _diff(g_f[name], g_r[name])
-        outq.put((rank, "ok", {"report": report, "missing": missing, "tokens": int(x.shape[0])}))
+        outq.put((rank, "ok", {"report": report, "missing": missing, "tokens": int(x.shape[0]), "routed_pairs": routed}))
         import torch.distributed as dist
 
         dist.barrier()

@@ -70,6 +70,7 @@ def _check(case, world):
     print(f"\n{tag}: bit-identical {len(exact)} tensors {exact}; not: "
           + ", ".join(f"{n} (max |diff| {d:.3g})" for n, d in inexact.items()))
     assert not lines, f"{tag}:\n" + "\n".join(lines)
+    return results
 
 
 def _case(**kw):
@@ -106,7 +107,10 @@ def test_bf16_uneven_tokens(backend):
 def test_capacity_drop(backend):
     # the router drops (token, expert) pairs past each expert's capacity: every dispatcher
     # must move exactly the pairs that are left
-    _check(_case(backend=backend, capacity=0.5, tokens=[32, 24]), 2)
+    case = _case(backend=backend, capacity=0.5, tokens=[32, 24])
+    results = _check(case, 2)
+    full = sum(r["tokens"] for r in results.values()) * case["topk"] * case["tp"]
+    assert sum(r["routed_pairs"] for r in results.values()) < full, "the capacity dropped nothing"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
