@@ -35,3 +35,32 @@ def budget_worker(rank, world, port, data, q):
         dist.destroy_process_group()
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
+
+
+def low_latency_worker(rank, world, port, data, q):
+    """DeepEP's decode calls: dispatch, stand-in experts (row times global expert id + 1, in
+    bf16), combine with the router's weights."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from epx.compat.deep_ep import Buffer
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        x, idx, w, E, M = data
+        buf = Buffer(dist.group.WORLD, 0, 0, low_latency_mode=True)
+        xt = torch.from_numpy(x).to(torch.bfloat16)
+        it = torch.from_numpy(idx)
+        recv, count, handle, _, hook = buf.low_latency_dispatch(xt, it, M, E, use_fp8=False)
+        hook()
+        L = E // world
+        scale = (rank * L + torch.arange(L, dtype=torch.float32) + 1).view(L, 1, 1)
+        y = (recv.float() * scale).to(torch.bfloat16)
+        out, _, hook = buf.low_latency_combine(y, it, torch.from_numpy(w), handle)
+        hook()
+        q.put((rank, "ok", (recv.float().numpy(), count.numpy(), out.float().numpy())))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))

@@ -236,3 +236,48 @@ def test_hybrid_ep_buffer_budget_over_gloo():
                 if idxs[d][t, k] >= 0:
                     dense[t, idxs[d][t, k]] += want_twg[t, k]
         assert np.array_equal(pgrad, dense), f"rank {d}: probability gradients differ"
+
+
+def test_low_latency_dispatch_and_combine_over_gloo():
+    """DeepEP's low-latency calls on epx's low-latency path: recv [L, R * M, H] with each
+    expert's rows first in (source rank, token) order and counts [L]; combine weighted by the
+    weights given to combine, by the contract's arithmetic (bf16 partials per destination in
+    local-expert order, float32 sums of rounded products, then over ranks)."""
+    torch = pytest.importorskip("torch")
+    import deep_ep_worker
+    from spawn_ranks import free_port, spawn_ranks
+
+    R, L, H, K, M = 2, 3, 32, 3, 12
+    E = R * L
+    tokens = [int(rng(970).integers(1, M + 1)) for _ in range(R)]
+    xs, idxs, ws = make_inputs(971, R, E, H, K, tokens)
+    bf = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in xs]  # what dispatch moves
+    port = free_port()
+    got = spawn_ranks(deep_ep_worker.low_latency_worker, [(r, R, port, (xs[r], idxs[r], ws[r], E, M)) for r in range(R)],
+                      180)
+    from moe_ref import expected_expert_layout
+
+    def bf16(a):
+        return torch.tensor(a, dtype=torch.float32).to(torch.bfloat16).float().numpy()
+
+    for d in range(R):
+        recv, count, _ = got[d]
+        rows, _, counts, _ = expected_expert_layout(bf, idxs, ws, R, L, d, ll_block=R * M)
+        assert np.array_equal(count, counts)
+        for l in range(L):
+            want = rows.reshape(L, R * M, H)[l, :counts[l]]
+            assert recv[l, :counts[l]].tobytes() == want.tobytes(), f"rank {d} expert {l}: rows differ"
+    for s in range(R):
+        out = got[s][2]
+        for t in range(tokens[s]):
+            acc = np.zeros(H, np.float32)
+            for d in range(R):
+                slots = sorted((int(e), k) for k, e in enumerate(idxs[s][t]) if e >= 0 and e // L == d)
+                if not slots:
+                    continue
+                part = np.zeros(H, np.float32)
+                for e, k in slots:  # ascending local expert
+                    y = bf16(bf[s][t] * np.float32(e + 1))
+                    part = part + np.float32(ws[s][t, k]) * y
+                acc = acc + bf16(part)
+            assert out[t].tobytes() == bf16(acc).tobytes(), f"rank {s} token {t}: combine differs"

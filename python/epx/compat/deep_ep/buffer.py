@@ -79,20 +79,18 @@ class Buffer:
     """DeepEP's ``Buffer(group, num_nvl_bytes, num_rdma_bytes, ...)`` on epx.
 
     The byte sizes are recorded (frameworks compare them to decide whether to make a bigger
-    Buffer) but epx sizes its own memory. Low-latency mode is not offered through this class
-    yet: ``low_latency_mode=True`` raises."""
+    Buffer) but epx sizes its own memory. ``low_latency_dispatch`` / ``low_latency_combine``
+    (decode) run on epx's low-latency path with DeepEP's shapes."""
 
     num_sms = 20
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, **_ignored):
-        if low_latency_mode:
-            raise NotImplementedError("epx.compat.deep_ep.Buffer: low_latency_mode is not supported yet")
         self.group = group
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
-        self.low_latency_mode = False
+        self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.rank = group.rank()
         self.group_size = group.size()
@@ -240,3 +238,78 @@ class Buffer:
         out, cw = res if w is not None else (res, None)
         event = sc.finish([out, cw])
         return out, cw, event
+
+    # -- low-latency mode (decode) --------------------------------------------------------
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """``(recv_x [L, R * M, H] (bf16, or with use_fp8 a tuple (e4m3 data, float32 scales [L, R * M,
+        H / 128])), recv_count [L] int32, handle, event, hook)``: local expert l's rows are the first
+        ``recv_count[l]`` of its block, in (source rank, source token) order. Everything is done
+        when the call returns, so ``hook()`` has nothing left to do."""
+        self._check_alive()
+        if round_scale or use_ue8m0:
+            raise NotImplementedError("epx.compat.deep_ep: round_scale / use_ue8m0 are not supported yet")
+        _check_idx(topk_idx)
+        M = int(num_max_dispatch_tokens_per_rank)
+        comm = _runtime.comm_for(self.group, num_experts=int(num_experts), hidden=x.shape[1], topk=topk_idx.shape[1],
+                                 max_tokens=M, num_sms=Buffer.num_sms, algo=f"ll{M}")
+        sc = self._scope([x, topk_idx], None, async_finish, False)
+        _runtime.reap()
+        h = comm.handle("ll")
+        with sc.run(), torch.no_grad():
+            res = h.dispatch(x.detach().contiguous(), topk_idx, None, recv_dtype="fp8" if use_fp8 else None)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats += res.tokens_per_local_expert.to(
+                    cumulative_local_expert_recv_stats.dtype)
+        plan = _Plan(h, topk_idx.shape[0], topk_idx.dtype)
+        plan.max_tokens, plan.num_experts = M, int(num_experts)
+        _runtime.own(plan, h, sc.comm_stream if sc.cuda else None)
+        recv = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
+        event = sc.finish([res.recv_x, res.recv_scales, res.tokens_per_local_expert])
+        return recv, res.tokens_per_local_expert, plan, event, (lambda: None)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: _Plan, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False, out=None):
+        """``(combined_x [T, H], event, hook)``: ``combined_x[t]`` = sum over the token's experts of
+        ``topk_weights[t, k]`` times that expert's row, by epx's contract (per destination in local
+        expert order, then over ranks; float32, products rounded before they are added).
+
+        DeepEP takes the weights here rather than at dispatch, so they first travel to the
+        experts' ranks: one more low-latency exchange, of K weights and K ids per token."""
+        self._check_alive()
+        if use_logfmt or zero_copy:
+            raise NotImplementedError("epx.compat.deep_ep: use_logfmt / zero_copy are not supported yet")
+        if not isinstance(handle, _Plan) or not hasattr(handle, "max_tokens"):
+            raise TypeError("low_latency_combine needs the handle low_latency_dispatch returned")
+        w = topk_weights.detach().float().contiguous()
+        sc = self._scope([x, topk_idx, w], None, async_finish, False)
+        with sc.run(), torch.no_grad():
+            probs = self._row_weights(handle, topk_idx, w)
+            res = handle.handle.combine(x.detach().contiguous(), weighted=True, row_probs=probs, out_dtype=x.dtype)
+            if out is not None:
+                out.copy_(res)
+                res = out
+        event = sc.finish([res])
+        return res, event, (lambda: None)
+
+    def _row_weights(self, plan: _Plan, topk_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each received row's weight [L * R * M]: the source's (weights, ids) rows dispatched with
+        the same routing land on the same rows; the id that names this rank's expert picks the
+        weight."""
+        T, K = topk_idx.shape
+        width = (2 * K + 3) // 4 * 4  # a row of whole 16-byte vectors
+        comm = _runtime.comm_for(self.group, num_experts=plan.num_experts, hidden=width, topk=K,
+                                 max_tokens=plan.max_tokens, num_sms=Buffer.num_sms, algo=f"llw{plan.max_tokens}")
+        pack = torch.zeros(T, width, dtype=torch.float32, device=w.device)
+        pack[:, :K] = w
+        pack[:, K:2 * K] = topk_idx.to(torch.int32).view(torch.float32)
+        with comm.handle("ll") as hw:
+            got = hw.dispatch(pack, topk_idx, None).recv_x  # [L, R * M, width]
+        L = plan.num_experts // self.group_size
+        ids = got[..., K:2 * K].contiguous().view(torch.int32)
+        mine = (self.rank * L + torch.arange(L, device=w.device)).view(L, 1, 1)
+        hit = ids == mine
+        return torch.where(hit, got[..., :K], torch.zeros_like(got[..., :K])).sum(-1).reshape(-1).contiguous()
