@@ -281,3 +281,44 @@ def test_low_latency_dispatch_and_combine_over_gloo():
                     part = part + np.float32(ws[s][t, k]) * y
                 acc = acc + bf16(part)
             assert out[t].tobytes() == bf16(acc).tobytes(), f"rank {s} token {t}: combine differs"
+
+
+def test_plans_live_until_the_framework_drops_them(tmp_path):
+    """Every dispatch holds its own plan (many layers in flight), and a plan the framework
+    drops is freed at a later operation: the open plans follow what is held."""
+    pytest.importorskip("torch")
+    r = _run_py("""
+        import os, gc, torch, torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(%d))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from epx.compat.deep_ep import Buffer
+        from epx.compat.deep_ep import _runtime
+        buf = Buffer(dist.group.WORLD, 0, 0)
+        x, idx = torch.randn(6, 16), torch.tensor([[0, 1]] * 6)
+        w = torch.rand(6, 2)
+
+        def layer():
+            tpr, _, tpe, itr, _ = buf.get_dispatch_layout(idx, 2)
+            out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=tpr, is_token_in_rank=itr,
+                               num_tokens_per_expert=tpe)
+            return out[4]
+
+        held = [layer() for _ in range(5)]          # five layers in flight
+        comm = next(iter(_runtime._comms.values()))
+        assert comm._open_handles == 5, comm._open_handles
+        for h in held:                               # each layer's backward: combine, then drop
+            y, _, _ = buf.combine(x, h)
+            assert torch.equal(y, x)                 # one destination rank: the rows come back as sent
+        held = h = None
+        gc.collect()
+        layer()                                      # the next operation frees what was dropped
+        assert comm._open_handles == 1, comm._open_handles
+        print("ok")
+    """ % _free_port(), tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def _free_port():
+    from spawn_ranks import free_port
+
+    return free_port()

@@ -69,33 +69,32 @@ def release(group) -> None:
         w.close()
 
 
-_retired = []  # (handle, event): plans the framework dropped while CUDA work may still use them
+_retired = []  # (handle, event or None): plans the framework dropped, to close at the next reap()
 
 
 def own(plan, handle: "epx.Handle", stream=None) -> None:
-    """Closes `handle` once `plan` (what the framework holds until backward) is collected, so a
-    plan lives exactly as long as the framework keeps it. With a CUDA `stream`, the handle is
-    retired instead: closed by a later reap() once the work queued on the stream by then is
-    done (its memory may still be in use by kernels in flight)."""
-    if stream is None:
-        weakref.finalize(plan, handle.close)
-        return
+    """Retires `handle` once `plan` (what the framework holds until backward) is collected, so a
+    plan lives as long as the framework keeps it; reap() closes it at the next operation. The
+    collector may run inside any epx call (which may hold the world's lock), so retiring only
+    appends to a list. With a CUDA `stream`, closing also waits (without blocking: reap() polls)
+    until the work queued on the stream by then is done, as kernels in flight may still use
+    the plan's memory."""
 
     def retire():
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        with _lock:
-            _retired.append((handle, ev))
+        ev = None
+        if stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        _retired.append((handle, ev))
 
     weakref.finalize(plan, retire)
 
 
 def reap() -> None:
     """Closes the retired handles whose work has finished (never waits)."""
-    with _lock:
-        done = [(h, e) for h, e in _retired if e.query()]
-        for item in done:
-            _retired.remove(item)
+    done = [item for item in list(_retired) if item[1] is None or item[1].query()]
+    for item in done:
+        _retired.remove(item)
     for h, _ in done:
         h.close()
 
