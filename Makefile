@@ -34,7 +34,7 @@ test-python: build
 # `pip install .` into a fresh venv, then the Python tests against the installed package.
 test-install:
 	rm -rf /tmp/epx-venv && $(PYTHON) -m venv /tmp/epx-venv
-	/tmp/epx-venv/bin/pip install -q . pytest
+	/tmp/epx-venv/bin/pip install --progress-bar off -v . pytest  # -v: the build's progress, not a silent minute
 	cd /tmp && EPX_TEST_INSTALLED=1 /tmp/epx-venv/bin/python -m pytest $(CURDIR)/tests/python -q -p no:cacheprovider
 
 # The CUDA sources are left out here: no GPU runs them under the sanitizers anyway.

@@ -30,6 +30,9 @@ R, E, H, K = a.ranks, a.experts, a.hidden, a.topk
 L = E // R
 cuda = not a.cpu and torch.cuda.is_available() and epx.backend_available("cuda")
 dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+# Before the first CUDA tensor: a world whose ranks share a GPU makes the settings CUDA needs for
+# them (CUDA_DEVICE_MAX_CONNECTIONS, CUDA_MODULE_LOADING) while CUDA has not started yet.
+world = epx.World(R, backend="cuda" if cuda else "host", devices=[0] * R if cuda else None)
 dtype = torch.bfloat16 if cuda else torch.float32
 torch.manual_seed(0)
 router = (torch.randn(H, E) * 0.05).to(dev)
@@ -91,7 +94,7 @@ def rank(r):
         return h.float().sum().item(), outs, t_prefill, t_decode
 
 
-with epx.World(R, backend="cuda" if cuda else "host", devices=[0] * R if cuda else None) as world:
+with world:
     print(f"{R} ranks on {world.backend}{' (GPU 0, CUDA graphs)' if cuda else ''}: {E} experts, top-{K}, "
           f"hidden {H}, prompt {a.prompt} tokens/rank, decode batch {a.batch}/rank")
     res = world.run(rank)

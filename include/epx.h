@@ -25,7 +25,16 @@
  * thread: epx_run_ranks does that for you. Every wait is bounded by the comm's timeout: a
  * peer that never arrives gives EPX_ERR_TIMEOUT, naming the phase and the peer, never a hang.
  * After a timeout the comm is broken: every later collective on it fails fast; destroy the
- * comms and the world and create them again.
+ * comms and the world and create them again. A call that a peer gave up on never returns
+ * EPX_SUCCESS on any rank.
+ *
+ * Matching: every collective call carries, into its first exchange, the operation, the comm's
+ * call number, the handle's identity (its creation number on the comm) and its settings, and the
+ * call's own arguments (part, dtypes, flags, which optional arrays are given). Ranks in
+ * different calls fail with EPX_ERR_OUT_OF_STEP (the comm is then broken); the same call with
+ * different settings or arguments fails with EPX_ERR_CONFIG_MISMATCH naming the field (the comm
+ * stays usable). A rank that refuses its own arguments still takes part, so its peers fail at
+ * once with its status; only a NULL comm cannot. (CUDA backend: not yet; see the README.)
  *
  * Memory: every pointer handed to an operation lives where the comm's backend computes
  * (host memory for EPX_BACKEND_HOST, device memory for EPX_BACKEND_CUDA).
@@ -54,12 +63,27 @@ extern "C" {
 #define EPX_VERSION_PATCH 0
 #define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
 
+/* The library's version at run time: EPX_VERSION_CODE of the epx.h it was built from. A
+ * program may compare it with the EPX_VERSION_CODE it was compiled with; the structs below
+ * are checked on every call anyway. */
+EPX_API int epx_get_version(void);
+
+/* A stable ABI: every config and argument struct that the caller fills (the world and comm
+ * configs, handle configs, dispatch and combine arguments) starts with two fields that its
+ * epx_*_init function sets: struct_size = sizeof the struct as the caller was compiled, and
+ * struct_version = that epx.h's EPX_VERSION_CODE. The library refuses a struct whose size or
+ * version (major and minor) is not its own with EPX_ERR_INVALID_ARGUMENT, so a program built
+ * against another epx.h fails with a message instead of reading fields that are not there.
+ * Always set a struct up with its init function, then change the fields you need. New fields
+ * are added at the end. (epx_routing_t, epx_handle_info_t and epx_unique_id_t are fixed.) */
+
 /* Limits the API checks against. */
 #define EPX_MAX_RANKS 64
 #define EPX_MAX_TOPK 32   /* the CUDA backend takes up to 16 (EPX_ERR_UNSUPPORTED at epx_comm_init) */
 #define EPX_MAX_EXPERTS 4096
 #define EPX_MAX_HIDDEN 65536
 #define EPX_FP8_BLOCK 128 /* channels per fp8 scale */
+#define EPX_MAX_TOKENS 2147483647LL /* tokens of one rank in one call (counts are int32) */
 
 typedef enum {
   EPX_SUCCESS = 0,
@@ -81,6 +105,8 @@ typedef enum {
   EPX_ERR_CUDA,               /* a CUDA call failed */
   EPX_ERR_BROKEN,             /* the comm is unusable after an earlier timeout or peer loss */
   EPX_ERR_INTERNAL,           /* a bug in epx */
+  EPX_ERR_OUT_OF_STEP,        /* the ranks are in different collective calls (operation, call number or
+                                 handle differ): the comm is broken */
   EPX_NUM_STATUS
 } epx_status_t;
 
@@ -114,10 +140,13 @@ EPX_API epx_status_t epx_backend_available(epx_backend_t backend);
 /* ------------------------------------------------------------------------------------------
  * Scalar conversions. These are the exact roundings every backend uses.
  * ---------------------------------------------------------------------------------------- */
-EPX_API uint16_t epx_float_to_bf16(float x);   /* round to nearest even; NaN stays NaN */
-EPX_API float epx_bf16_to_float(uint16_t x);
-EPX_API uint8_t epx_float_to_e4m3(float x);    /* round to nearest even, saturating at +-448 */
-EPX_API float epx_e4m3_to_float(uint8_t x);
+/* NaN rule (docs/design.md): a row copied without conversion keeps its bits; every NaN that a
+ * narrowing conversion or arithmetic makes is the canonical one of its type: float32
+ * 0x7FFFFFFF, bf16 0x7FFF, e4m3 0x7F. */
+EPX_API uint16_t epx_float_to_bf16(float x);   /* round to nearest even; NaN -> 0x7FFF */
+EPX_API float epx_bf16_to_float(uint16_t x);   /* exact: the bits shifted up (NaN payloads too) */
+EPX_API uint8_t epx_float_to_e4m3(float x);    /* round to nearest even, saturating at +-448; NaN -> 0x7F */
+EPX_API float epx_e4m3_to_float(uint8_t x);    /* exact; NaN -> 0x7FFFFFFF */
 /* Quantise one row of `hidden` floats: ceil(hidden / EPX_FP8_BLOCK) scales. For each block,
  * a = max(max|x|, 1e-4f); q = e4m3(x * (448 / a)); scale = a / 448. */
 EPX_API void epx_quantize_row_e4m3(const float *x, int hidden, uint8_t *q, float *scales);
@@ -130,6 +159,8 @@ typedef struct epx_comm epx_comm_t;
 typedef struct epx_handle epx_handle_t;
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_world_config_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_world_config_init: EPX_VERSION_CODE */
   epx_backend_t backend;
   int nranks;          /* ranks in the group, all driven by this process: 1..EPX_MAX_RANKS */
   const int *devices;  /* CUDA: device of each rank; NULL puts rank r on device r % count */
@@ -175,6 +206,8 @@ EPX_API epx_status_t epx_world_create_rank_with(const epx_world_config_t *wc, in
                                                 void *ctx, epx_world_t **world);
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_config_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_config_init: EPX_VERSION_CODE */
   int num_experts;          /* E, a multiple of the group size */
   int hidden;               /* H */
   int topk;                 /* K, 1..EPX_MAX_TOPK */
@@ -219,7 +252,7 @@ EPX_API epx_status_t epx_run_ranks(int nranks, epx_rank_fn fn, void *arg, epx_st
  *         may hold at most K experts; they are taken in ascending expert id.
  * ---------------------------------------------------------------------------------------- */
 typedef struct {
-  int64_t num_tokens;       /* T >= 0 */
+  int64_t num_tokens;       /* 0 <= T <= EPX_MAX_TOKENS */
   epx_dtype_t idx_dtype;    /* EPX_INT32 or EPX_INT64, for topk_idx */
   const void *topk_idx;     /* topk form: [T, K] */
   const float *topk_weights;
@@ -266,6 +299,8 @@ typedef enum {
 } epx_layout_t;
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_handle_config_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_handle_config_init: EPX_VERSION_CODE */
   epx_algo_t algo;
   epx_layout_t layout;  /* EPX_ALGO_LL always uses the expert layout */
   int align;            /* expert layout: each expert's block padded to a multiple (>= 1) */
@@ -280,6 +315,10 @@ typedef struct {
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
+/* Local (not collective). The handle's identity is its creation number on the comm, failed
+ * calls included: create a comm's handles in the same order on every rank. Its settings are
+ * compared with the peers' at every collective call that uses it (EPX_ERR_CONFIG_MISMATCH
+ * naming the field), not here. */
 EPX_API epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle);
 EPX_API epx_status_t epx_handle_destroy(epx_handle_t *handle);
 
@@ -296,7 +335,6 @@ typedef struct {
   int64_t num_recv_rows;     /* expert layout rows, padding included */
   int64_t num_recv_pairs;    /* (token, local expert) pairs arriving */
   int64_t num_sent_copies;   /* (token, destination rank) crossings this rank sends */
-  int64_t num_dropped_pairs; /* receive budget: (token, expert) pairs the whole group dropped */
 } epx_handle_info_t;
 
 /* Host-side sizes of the last plan. EPX_ERR_UNSUPPORTED in CUDA sync-free mode, where only
@@ -336,6 +374,8 @@ typedef enum {
 } epx_part_t;
 
 typedef struct {
+  uint32_t struct_size;    /* set by epx_dispatch_args_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_dispatch_args_init: EPX_VERSION_CODE */
   const void *x;              /* [T, H] */
   epx_dtype_t x_dtype;        /* EPX_FLOAT32 or EPX_BFLOAT16 */
   epx_dtype_t recv_dtype;     /* x_dtype, or EPX_FP8_E4M3 to quantise on the way */
@@ -374,6 +414,8 @@ EPX_API epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const 
  * slots that routed nowhere). That is the weight part of dispatch's gradient.
  * ---------------------------------------------------------------------------------------- */
 typedef struct {
+  uint32_t struct_size;    /* set by epx_combine_args_init: sizeof this struct */
+  uint32_t struct_version; /* set by epx_combine_args_init: EPX_VERSION_CODE */
   const void *y;              /* rows of the handle's layout, H wide */
   epx_dtype_t y_dtype;        /* EPX_FLOAT32 or EPX_BFLOAT16; also the partials' type */
   void *out;                  /* [T, H] */

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
-#   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [nccl] [all]   (default all; nvlink,
-#   scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; nccl is the NCCL all-to-all
-#   baseline of the nvlink shapes)
+#   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [sanitize] [compare]
+#   [all]   (default all, which leaves out sanitize and compare; nvlink, scaling and nccl need
+#   2+ GPUs; scaling sweeps the SM budget; sweep runs epx-bench's token and SM sweeps and plots
+#   them (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of the nvlink shapes;
+#   sanitize runs compute-sanitizer memcheck over test_cuda_graph ht and ll and a subset of
+#   test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them); compare runs
+#   the bench shapes on another build, EPX_GPU_BUILD_BASE, and this one, alternating, and
+#   prints new / base per phase)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -11,12 +16,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=" ${*:-all} "
 want() { [[ $what == *" $1 "* || $what == *" all "* ]]; }
+asked() { [[ $what == *" $1 "* ]]; } # sections that 'all' leaves out
 out=${OUT:-gpu-check-out}
 logs=$(mktemp -d)
 mkdir -p "$out"
 build=${EPX_GPU_BUILD:-build-gpu}
 export NCCL_NVLS_ENABLE=0
-export CUDA_DEVICE_MAX_CONNECTIONS=32
+export CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER
 export LD_LIBRARY_PATH="$PWD/$build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
@@ -79,7 +85,7 @@ if want bench; then
   run bench-ll128-ht        $b --tokens 128 --iters 50 --layout expert --graph --check
 fi
 
-# Several GPUs (issue 7): one rank per GPU through NVLink, and the NCCL all-to-all baseline of
+# Several GPUs: one rank per GPU through NVLink, and the NCCL all-to-all baseline of
 # the same shape (one process per GPU).
 if want nvlink && [ "$ngpu" -ge 2 ]; then
   b="$build/epx-bench --backend cuda --json --ranks $ngpu"
@@ -100,6 +106,64 @@ if want scaling && [ "$ngpu" -ge 2 ]; then
   done
   run "scaling-ll128-sms132" $b --tokens 128 --iters 50 --mode ll --graph --num-sms 132
 fi
+# The README's picture: bandwidth against tokens per rank (fused token and expert layout, the
+# all-to-all baseline) and bytes per SM-second against SMs per rank, emulated on the first GPU;
+# the JSON lands in $out/sweep, the PNG next to it (plotted here when matplotlib is installed,
+# else plot the JSON on any machine with the command printed).
+if want sweep; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  b="env CUDA_VISIBLE_DEVICES=${first%%,*} $build/epx-bench --backend cuda --iters 5"
+  sw="$out/sweep"
+  mkdir -p "$sw"
+  run sweep-tokens-token  $b --sweep tokens --tokens 32768 --json "$sw/tokens-token.json"
+  run sweep-tokens-expert $b --sweep tokens --tokens 16384 --layout expert --align 128 --json "$sw/tokens-expert.json"
+  # the baseline's buffers in the expert layout outgrow one H200's memory past 16k tokens (8 ranks)
+  run sweep-tokens-a2a    $b --sweep tokens --tokens 16384 --layout expert --align 128 --mode a2a --json "$sw/tokens-a2a.json"
+  run sweep-sms-token     $b --sweep sms --tokens 4096 --json "$sw/sms-token.json"
+  run sweep-sms-expert    $b --sweep sms --tokens 4096 --layout expert --align 128 --json "$sw/sms-expert.json"
+  plot="python3 tools/plot_bench.py --title \"$(date -u +%Y-%m-%d), $(git rev-parse --short HEAD 2>/dev/null || echo ?)\" --out $sw/bench.png $sw/*.json"
+  echo "$plot" >"$sw/plot-command.txt"
+  run sweep-plot bash -c "$plot" || echo "plot the sweep elsewhere: $plot"
+fi
+# compute-sanitizer's memcheck over the shapes the tests check: every buffer a peer touches is
+# plain device memory registered at set-up, so the tool follows every access
+if asked sanitize; then
+  cs="compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20"
+  run sanitize-graph-ht timeout 600 $cs "$build/tests/gpu/test_cuda_graph" ht 3
+  run sanitize-graph-ll timeout 600 $cs "$build/tests/gpu/test_cuda_graph" ll 3
+  run sanitize-match timeout 600 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21}
+fi
+# The same bench shapes on two builds, alternating, so drift of the GPU's clocks hits both
+if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  base=$EPX_GPU_BUILD_BASE
+  shapes=("--tokens 4096 --iters 10" "--tokens 4096 --iters 10 --layout expert --align 128"
+          "--tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128"
+          "--tokens 4096 --iters 10 --layout expert --align 128 --mode a2a" "--tokens 32768 --iters 5"
+          "--tokens 128 --iters 50 --mode ll --graph" "--tokens 128 --iters 50 --mode ll --dtype fp8 --graph")
+  for i in "${!shapes[@]}"; do
+    run "compare-base-$i" env CUDA_VISIBLE_DEVICES=${first%%,*} LD_LIBRARY_PATH="$PWD/$base" \
+      "$base/epx-bench" --backend cuda --json ${shapes[$i]}
+    run "compare-new-$i" env CUDA_VISIBLE_DEVICES=${first%%,*} "$build/epx-bench" --backend cuda --json ${shapes[$i]}
+  done
+  python3 - "$logs" "${#shapes[@]}" <<'PY' | tee "$out/compare.txt"
+import json, sys
+logs, n = sys.argv[1], int(sys.argv[2])
+def run(name):
+    for line in open(f"{logs}/{name}.log"):
+        if line.startswith("{"):
+            return json.loads(line)
+print(f"{'shape':44} {'phase':9} {'base ms':>9} {'new ms':>9} {'new/base':>8}")
+for i in range(n):
+    b, c = run(f"compare-base-{i}"), run(f"compare-new-{i}")
+    if not b or not c:
+        print(f"shape {i}: no result"); continue
+    shape = f"{c['mode']} {c['layout']} {c['recv_dtype']} T={c['tokens']}"
+    for ph in ("notify", "dispatch", "combine"):
+        if b.get(ph + "_ms") and c.get(ph + "_ms"):
+            print(f"{shape:44} {ph:9} {b[ph + '_ms']:9.4f} {c[ph + '_ms']:9.4f} {c[ph + '_ms'] / b[ph + '_ms']:8.3f}")
+PY
+fi
 if want nccl && [ "$ngpu" -ge 2 ]; then
   run "nccl-ds3-ep$ngpu"     python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 4096 --iters 10
   run "nccl-prefill32k-ep$ngpu" python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 32768 --iters 5
@@ -109,6 +173,7 @@ echo
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
 grep -h '^{' "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log 2>/dev/null > "$out/bench.jsonl" || true
+[ -d "$out/sweep" ] && echo "sweep: JSON and bench.png in $out/sweep"
 # fused path against the all-to-all baseline, same shape (dispatch + combine)
 python3 - "$out/bench.jsonl" <<'PY' || true
 import json, sys
@@ -132,5 +197,5 @@ PY
 for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/nccl-*.log; do
   [ -f "$f" ] || continue
   echo "-- $(basename "$f" .log)"
-  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|\{"baseline)' "$f"
+  grep -E '^(copy|dispatch|combine|notify|check|with a GPU|GB/s/SM|\{"baseline)' "$f"
 done

@@ -48,6 +48,54 @@ static int step(bw_t *c, int r, const char *call, epx_status_t s) {
   return tu_barrier_vote(c->st[r] != EPX_SUCCESS);
 }
 
+/* The experts' backward on rank r's N received rows: the row gradients gx from the replayed
+ * G (expert layout: Gs, already scaled by p) and the row weight gradients dwr. */
+static void experts_backward(bw_t *c, int r, int64_t N) {
+  const int expert = c->layout == EPX_LAYOUT_EXPERT;
+  const epx_dtype_t dt = c->dt;
+  if (!expert) {
+    for (int64_t n = 0; n < N; n++) {
+      for (int cc = 0; cc < H; cc++) {
+        float acc = 0.0f;
+        for (int k = 0; k < K; k++) {
+          const int32_t li = c->recv_idx[r][n * K + k];
+          if (li < 0 || li >= L) continue;
+          const float s = dense_expert_scale(r * L + li), p = c->recv_w[r][n * K + k] * s;
+          acc = acc + p * tu_load(dt, c->G[r], (size_t)(n * H + cc));
+        }
+        tu_store(dt, c->gx[r], (size_t)(n * H + cc), acc);
+      }
+      for (int k = 0; k < K; k++) {
+        const int32_t li = c->recv_idx[r][n * K + k];
+        double dot = 0.0;
+        for (int cc = 0; cc < H; cc++)
+          dot += (double)tu_load(dt, c->G[r], (size_t)(n * H + cc)) * tu_load(dt, c->recv_x[r], (size_t)(n * H + cc));
+        /* Slots of other ranks: 0 (this rank's weight there was 0). */
+        c->dwr[r][n * K + k] = li >= 0 && li < L ? (float)(dense_expert_scale(r * L + li) * dot) : 0.0f;
+      }
+    }
+  } else {
+    int64_t pos = 0;
+    for (int64_t n = 0; n < N; n++) { /* padding rows: NaN, never read */
+      for (int cc = 0; cc < H; cc++) tu_store_nan(dt, c->gx[r], (size_t)(n * H + cc));
+      c->dwr[r][n] = NAN;
+    }
+    for (int l = 0; l < L; l++) {
+      const float s = dense_expert_scale(r * L + l);
+      for (int64_t i = 0; i < c->cnt[r][l] && pos + i < N; i++) {
+        const int64_t n = pos + i;
+        double dot = 0.0;
+        for (int cc = 0; cc < H; cc++) {
+          tu_store(dt, c->gx[r], (size_t)(n * H + cc), s * tu_load(dt, c->Gs[r], (size_t)(n * H + cc)));
+          dot += (double)tu_load(dt, c->G[r], (size_t)(n * H + cc)) * tu_load(dt, c->y[r], (size_t)(n * H + cc));
+        }
+        c->dwr[r][n] = (float)dot;
+      }
+      pos += (c->cnt[r][l] + c->align - 1) / c->align * c->align;
+    }
+  }
+}
+
 static epx_status_t bw_rank(int r, void *arg) {
   bw_t *c = arg;
   const tu_moe_t *m = c->m;
@@ -105,48 +153,7 @@ static epx_status_t bw_rank(int r, void *arg) {
     if (step(c, r, "epx_dispatch (replay of g, scale_by_probs)", epx_dispatch(comm, h, NULL, &b))) return c->st[r];
   }
 
-  /* The experts' backward on the received rows. */
-  if (!expert) {
-    for (int64_t n = 0; n < N; n++) {
-      for (int cc = 0; cc < H; cc++) {
-        float acc = 0.0f;
-        for (int k = 0; k < K; k++) {
-          const int32_t li = c->recv_idx[r][n * K + k];
-          if (li < 0 || li >= L) continue;
-          const float s = dense_expert_scale(r * L + li), p = c->recv_w[r][n * K + k] * s;
-          acc = acc + p * tu_load(dt, c->G[r], (size_t)(n * H + cc));
-        }
-        tu_store(dt, c->gx[r], (size_t)(n * H + cc), acc);
-      }
-      for (int k = 0; k < K; k++) {
-        const int32_t li = c->recv_idx[r][n * K + k];
-        double dot = 0.0;
-        for (int cc = 0; cc < H; cc++)
-          dot += (double)tu_load(dt, c->G[r], (size_t)(n * H + cc)) * tu_load(dt, c->recv_x[r], (size_t)(n * H + cc));
-        /* Slots of other ranks: 0 (this rank's weight there was 0). */
-        c->dwr[r][n * K + k] = li >= 0 && li < L ? (float)(dense_expert_scale(r * L + li) * dot) : 0.0f;
-      }
-    }
-  } else {
-    int64_t pos = 0;
-    for (int64_t n = 0; n < N; n++) { /* padding rows: NaN, never read */
-      for (int cc = 0; cc < H; cc++) tu_store_nan(dt, c->gx[r], (size_t)(n * H + cc));
-      c->dwr[r][n] = NAN;
-    }
-    for (int l = 0; l < L; l++) {
-      const float s = dense_expert_scale(r * L + l);
-      for (int64_t i = 0; i < c->cnt[r][l] && pos + i < N; i++) {
-        const int64_t n = pos + i;
-        double dot = 0.0;
-        for (int cc = 0; cc < H; cc++) {
-          tu_store(dt, c->gx[r], (size_t)(n * H + cc), s * tu_load(dt, c->Gs[r], (size_t)(n * H + cc)));
-          dot += (double)tu_load(dt, c->G[r], (size_t)(n * H + cc)) * tu_load(dt, c->y[r], (size_t)(n * H + cc));
-        }
-        c->dwr[r][n] = (float)dot;
-      }
-      pos += (c->cnt[r][l] + c->align - 1) / c->align * c->align;
-    }
-  }
+  experts_backward(c, r, N);
 
   /* Dispatch's backward: an unweighted combine of the row gradients, weight gradients home. */
   epx_combine_args_t cb;
@@ -168,21 +175,11 @@ static int64_t find_row(const tu_expect_t *ex, int expert, int s, int64_t t, int
   return -1;
 }
 
-static void check_results(const char *what, bw_t *c, const tu_expect_t *ex) {
+/* The replayed gradient rows: copies of g (expert layout: and p * g, rounded once). */
+static void check_replays(const char *what, const bw_t *c, const tu_expect_t *ex) {
   const tu_moe_t *m = c->m;
   const int expert = c->layout == EPX_LAYOUT_EXPERT;
   const epx_dtype_t dt = c->dt;
-  const double tol = dt == EPX_FLOAT32 ? 1e-5 : 2e-2;
-  void *want[TU_MAX_RANKS];
-  tu_dense(m, dt, dt, dt, expert, (const float *const *)m->w, want);
-  for (int s = 0; s < R; s++) {
-    char w2[640];
-    snprintf(w2, sizeof w2, "%s rank %d forward out vs dense_moe", what, s);
-    tu_check_bits(w2, dt, c->out[s], want[s], m->T[s] * H, H);
-  }
-  tu_free_all(want, R);
-
-  /* The replayed gradient rows: copies of g (expert layout: and p * g, rounded once). */
   for (int d = 0; d < R; d++) {
     long bad_g = 0, bad_gs = 0;
     const int64_t N = expert ? ex[d].nrows : ex[d].ntok;
@@ -209,76 +206,101 @@ static void check_results(const char *what, bw_t *c, const tu_expect_t *ex) {
     CHECK(bad_g == 0, "%s rank %d: %ld elements of the replayed dispatch of g differ from g", what, d, bad_g);
     CHECK(bad_gs == 0, "%s rank %d: %ld elements of the scale_by_probs replay differ from round(p * g)", what, d, bad_gs);
   }
+}
 
-  for (int s = 0; s < R; s++) {
-    long bad_dx_bits = 0, bad_dx = 0, bad_dw_bits = 0, bad_dw = 0;
-    double worst_dx = 0.0, worst_dw = 0.0;
-    for (int64_t t = 0; t < m->T[s]; t++) {
-      const int32_t *idx = m->idx[s] + t * K;
-      const float *w = m->w[s] + t * K;
-      /* dx: the exact float32 sum the combine defines, and the dense gradient. */
-      for (int cc = 0; cc < H; cc++) {
-        float acc = 0.0f;
-        for (int d = 0; d < R; d++) {
-          float part = 0.0f;
-          int any = 0;
-          if (!expert) {
-            const int64_t n = find_row(&ex[d], 0, s, t, -1);
-            if (n >= 0) any = 1, part = tu_load(dt, c->gx[d], (size_t)(n * H + cc));
-          } else {
-            for (int l = 0; l < L; l++)
-              for (int k = 0; k < K; k++)
-                if (idx[k] == d * L + l) {
-                  const int64_t n = find_row(&ex[d], 1, s, t, k);
-                  any = 1;
-                  part = part + tu_load(dt, c->gx[d], (size_t)(n * H + cc));
-                }
-            part = tu_round(dt, part);
-          }
-          if (any) acc = acc + part;
+/* Source rank s's gradients: dx, the exact float32 sum the combine defines and near the
+ * dense gradient; dw, each slot its owner's row weight gradient (-1 slots 0), near the dense
+ * gradient. */
+static void check_source_grads(const char *what, const bw_t *c, const tu_expect_t *ex, int s) {
+  const tu_moe_t *m = c->m;
+  const int expert = c->layout == EPX_LAYOUT_EXPERT;
+  const epx_dtype_t dt = c->dt;
+  const double tol = dt == EPX_FLOAT32 ? 1e-5 : 2e-2;
+  long bad_dx_bits = 0, bad_dx = 0, bad_dw_bits = 0, bad_dw = 0;
+  double worst_dx = 0.0, worst_dw = 0.0;
+  for (int64_t t = 0; t < m->T[s]; t++) {
+    const int32_t *idx = m->idx[s] + t * K;
+    const float *w = m->w[s] + t * K;
+    /* dx: the exact float32 sum the combine defines, and the dense gradient. */
+    for (int cc = 0; cc < H; cc++) {
+      float acc = 0.0f;
+      for (int d = 0; d < R; d++) {
+        float part = 0.0f;
+        int any = 0;
+        if (!expert) {
+          const int64_t n = find_row(&ex[d], 0, s, t, -1);
+          if (n >= 0) any = 1, part = tu_load(dt, c->gx[d], (size_t)(n * H + cc));
+        } else {
+          for (int l = 0; l < L; l++)
+            for (int k = 0; k < K; k++)
+              if (idx[k] == d * L + l) {
+                const int64_t n = find_row(&ex[d], 1, s, t, k);
+                any = 1;
+                part = part + tu_load(dt, c->gx[d], (size_t)(n * H + cc));
+              }
+          part = tu_round(dt, part);
         }
-        const float got = tu_load(dt, c->dx[s], (size_t)(t * H + cc)), want_bits = tu_round(dt, acc);
-        bad_dx_bits += memcmp(&got, &want_bits, 4) != 0;
-        double dense = 0.0, mag = 0.0;
-        const double g = tu_load(dt, c->g[s], (size_t)(t * H + cc));
-        for (int k = 0; k < K; k++)
-          if (idx[k] >= 0) {
-            const double term = (double)w[k] * dense_expert_scale(idx[k]) * g;
-            dense += term, mag += fabs(term);
-          }
-        const double err = fabs((double)got - dense);
-        if (err > tol * mag + 1e-30) bad_dx++;
-        if (mag > 0 && err / mag > worst_dx) worst_dx = err / mag;
+        if (any) acc = acc + part;
       }
-      /* dw: each slot gets its owner's value; -1 slots get 0. */
-      double gx = 0.0, gxabs = 0.0;
-      for (int cc = 0; cc < H; cc++) {
-        const double a = tu_load(dt, c->g[s], (size_t)(t * H + cc)), b = tu_load(dt, m->x[s], (size_t)(t * H + cc));
-        gx += a * b, gxabs += fabs(a * b);
-      }
-      for (int k = 0; k < K; k++) {
-        const float got = c->dw[s][t * K + k];
-        if (idx[k] < 0) {
-          bad_dw_bits += got != 0.0f;
-          continue;
+      const float got = tu_load(dt, c->dx[s], (size_t)(t * H + cc)), want_bits = tu_round(dt, acc);
+      bad_dx_bits += memcmp(&got, &want_bits, 4) != 0;
+      double dense = 0.0, mag = 0.0;
+      const double g = tu_load(dt, c->g[s], (size_t)(t * H + cc));
+      for (int k = 0; k < K; k++)
+        if (idx[k] >= 0) {
+          const double term = (double)w[k] * dense_expert_scale(idx[k]) * g;
+          dense += term, mag += fabs(term);
         }
-        const int d = idx[k] / L;
-        const int64_t n = find_row(&ex[d], expert, s, t, k);
-        const float copy = expert ? c->dwr[d][n] : c->dwr[d][n * K + k];
-        bad_dw_bits += memcmp(&got, &copy, 4) != 0;
-        const double dense = dense_expert_scale(idx[k]) * gx, mag = dense_expert_scale(idx[k]) * gxabs;
-        const double err = fabs((double)got - dense);
-        if (err > tol * mag + 1e-30) bad_dw++;
-        if (mag > 0 && err / mag > worst_dw) worst_dw = err / mag;
-      }
+      const double err = fabs((double)got - dense);
+      if (err > tol * mag + 1e-30) bad_dx++;
+      if (mag > 0 && err / mag > worst_dx) worst_dx = err / mag;
     }
-    CHECK(bad_dx_bits == 0, "%s rank %d: %ld dx elements differ from the defined float32 sum", what, s, bad_dx_bits);
-    CHECK(bad_dx == 0, "%s rank %d: %ld dx elements off the dense gradient (worst relative %.3g)", what, s, bad_dx, worst_dx);
-    CHECK(bad_dw_bits == 0, "%s rank %d: %ld topk_weight_grad entries are not their slot's row_weight_grad (or 0)", what, s,
-          bad_dw_bits);
-    CHECK(bad_dw == 0, "%s rank %d: %ld topk_weight_grad entries off the dense gradient (worst relative %.3g)", what, s,
-          bad_dw, worst_dw);
+    /* dw: each slot gets its owner's value; -1 slots get 0. */
+    double gx = 0.0, gxabs = 0.0;
+    for (int cc = 0; cc < H; cc++) {
+      const double a = tu_load(dt, c->g[s], (size_t)(t * H + cc)), b = tu_load(dt, m->x[s], (size_t)(t * H + cc));
+      gx += a * b, gxabs += fabs(a * b);
+    }
+    for (int k = 0; k < K; k++) {
+      const float got = c->dw[s][t * K + k];
+      if (idx[k] < 0) {
+        bad_dw_bits += got != 0.0f;
+        continue;
+      }
+      const int d = idx[k] / L;
+      const int64_t n = find_row(&ex[d], expert, s, t, k);
+      const float copy = expert ? c->dwr[d][n] : c->dwr[d][n * K + k];
+      bad_dw_bits += memcmp(&got, &copy, 4) != 0;
+      const double dense = dense_expert_scale(idx[k]) * gx, mag = dense_expert_scale(idx[k]) * gxabs;
+      const double err = fabs((double)got - dense);
+      if (err > tol * mag + 1e-30) bad_dw++;
+      if (mag > 0 && err / mag > worst_dw) worst_dw = err / mag;
+    }
   }
+  CHECK(bad_dx_bits == 0, "%s rank %d: %ld dx elements differ from the defined float32 sum", what, s, bad_dx_bits);
+  CHECK(bad_dx == 0, "%s rank %d: %ld dx elements off the dense gradient (worst relative %.3g)", what, s, bad_dx, worst_dx);
+  CHECK(bad_dw_bits == 0, "%s rank %d: %ld topk_weight_grad entries are not their slot's row_weight_grad (or 0)", what, s,
+        bad_dw_bits);
+  CHECK(bad_dw == 0, "%s rank %d: %ld topk_weight_grad entries off the dense gradient (worst relative %.3g)", what, s,
+        bad_dw, worst_dw);
+}
+
+static void check_results(const char *what, bw_t *c, const tu_expect_t *ex) {
+  const tu_moe_t *m = c->m;
+  const int expert = c->layout == EPX_LAYOUT_EXPERT;
+  const epx_dtype_t dt = c->dt;
+  void *want[TU_MAX_RANKS];
+  tu_dense(m, dt, dt, dt, expert, (const float *const *)m->w, want);
+  for (int s = 0; s < R; s++) {
+    char w2[640];
+    snprintf(w2, sizeof w2, "%s rank %d forward out vs dense_moe", what, s);
+    CHECK_BITS(w2, dt, c->out[s], want[s], m->T[s] * H, H);
+  }
+  tu_free_all(want, R);
+
+  check_replays(what, c, ex);
+
+  for (int s = 0; s < R; s++) check_source_grads(what, c, ex, s);
 }
 
 static void run(epx_layout_t layout, int align, epx_dtype_t dt) {

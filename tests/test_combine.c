@@ -20,7 +20,7 @@ static void run_and_compare(const char *what, tu_world_t *w, epx_handle_t **h, c
       if (keep_out[r]) {
         char ww[640];
         snprintf(ww, sizeof ww, "%s rank %d out vs the previous run (determinism)", what, r);
-        tu_check_bits(ww, p->out_dtype, res.out[r], keep_out[r], m->T[r] * m->H, m->H);
+        CHECK_BITS(ww, p->out_dtype, res.out[r], keep_out[r], m->T[r] * m->H, m->H);
       } else {
         keep_out[r] = res.out[r];
         res.out[r] = NULL;
@@ -208,8 +208,8 @@ static void interleaved_handles(void) {
       tu_dense(&ma, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, 0, (const float *const *)ma.w, want_a);
       tu_dense(&mb, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, 1, (const float *const *)mb.w, want_b);
       for (int r = 0; r < IR; r++) {
-        tu_check_bits("interleaved handles: A (token layout)", EPX_FLOAT32, c.out_a[r], want_a[r], ma.T[r] * IH, IH);
-        tu_check_bits("interleaved handles: B (expert layout)", EPX_FLOAT32, c.out_b[r], want_b[r], mb.T[r] * IH, IH);
+        CHECK_BITS("interleaved handles: A (token layout)", EPX_FLOAT32, c.out_a[r], want_a[r], ma.T[r] * IH, IH);
+        CHECK_BITS("interleaved handles: B (expert layout)", EPX_FLOAT32, c.out_b[r], want_b[r], mb.T[r] * IH, IH);
       }
       tu_free_all(want_a, IR);
       tu_free_all(want_b, IR);
@@ -297,8 +297,8 @@ static void two_worlds_at_once(void) {
       void *want[TU_MAX_RANKS];
       tu_dense(&m[g], EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, 0, (const float *const *)m[g].w, want);
       for (int r = 0; r < 2; r++)
-        tu_check_bits(g ? "two worlds: B" : "two worlds: A", EPX_FLOAT32, c.out[g][r], want[r], m[g].T[r] * m[g].H,
-                      m[g].H);
+        CHECK_BITS(g ? "two worlds: B" : "two worlds: A", EPX_FLOAT32, c.out[g][r], want[r], m[g].T[r] * m[g].H,
+                   m[g].H);
       tu_free_all(want, 2);
     }
     for (int g = 0; g < 2; g++) tu_free_all(c.out[g], 2), tu_moe_free(&m[g]);

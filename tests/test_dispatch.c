@@ -106,11 +106,11 @@ static void check_rank(const char *what, const case_t *c, const tu_moe_t *m, con
   /* Counts, from the dispatch and from the handle. */
   char w2[640];
   snprintf(w2, sizeof w2, "%s rank %d tokens_per_local_expert (dispatch)", what, d);
-  tu_check_bits(w2, EPX_INT32, res->cnt[d], ex->cnt, L, L);
+  CHECK_BITS(w2, EPX_INT32, res->cnt[d], ex->cnt, L, L);
   if (CHECK_STATUS(res->info_st[d], EPX_SUCCESS, "%s rank %d: epx_handle_info", what, d)) {
     const epx_handle_info_t *in = &res->info[d];
     snprintf(w2, sizeof w2, "%s rank %d tokens_per_local_expert (handle_info)", what, d);
-    tu_check_bits(w2, EPX_INT32, res->info_cnt[d], ex->cnt, L, L);
+    CHECK_BITS(w2, EPX_INT32, res->info_cnt[d], ex->cnt, L, L);
     CHECK(in->num_send_tokens == m->T[d], "%s rank %d: info.num_send_tokens %lld want %lld", what, d,
           (long long)in->num_send_tokens, (long long)m->T[d]);
     CHECK(in->num_recv_tokens == ex->ntok, "%s rank %d: info.num_recv_tokens %lld want %lld", what, d,

@@ -68,7 +68,14 @@ static void test_bf16(void) {
   for (size_t i = 0; i < sizeof nans / sizeof nans[0]; i++) {
     uint16_t got = epx_float_to_bf16(u2f(nans[i]));
     CHECK(bf16_is_nan(got), "bf16(NaN 0x%08x) = 0x%04x is not a NaN", (unsigned)nans[i], (unsigned)got);
+    /* a conversion's NaN is the canonical one, whatever the payload or sign */
+    CHECK(got == 0x7FFF, "bf16(NaN 0x%08x) = 0x%04x, not the canonical 0x7FFF", (unsigned)nans[i], (unsigned)got);
+    const uint8_t q = epx_float_to_e4m3(u2f(nans[i]));
+    CHECK(q == 0x7F, "e4m3(NaN 0x%08x) = 0x%02x, not the canonical 0x7F", (unsigned)nans[i], (unsigned)q);
   }
+  CHECK(f2u(epx_e4m3_to_float(0x7F)) == 0x7FFFFFFFu && f2u(epx_e4m3_to_float(0xFF)) == 0x7FFFFFFFu,
+        "e4m3 NaN codes widen to 0x%08x and 0x%08x, not the canonical 0x7FFFFFFF", (unsigned)f2u(epx_e4m3_to_float(0x7F)),
+        (unsigned)f2u(epx_e4m3_to_float(0xFF)));
   /* bf16 -> float is exact: the bits shifted up; every non-NaN value round-trips. */
   long bad_widen = 0, bad_trip = 0, bad_nan = 0;
   for (uint32_t h = 0; h < 65536; h++) {

@@ -105,7 +105,7 @@ static void check_still_works(const char *what, tu_world_t *w, epx_handle_t **h,
   if (rc == 0) {
     void *want[TU_MAX_RANKS];
     tu_dense(&m, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, layout == EPX_LAYOUT_EXPERT, (const float *const *)m.w, want);
-    for (int r = 0; r < m.R; r++) tu_check_bits(what, EPX_FLOAT32, res.out[r], want[r], m.T[r] * m.H, m.H);
+    for (int r = 0; r < m.R; r++) CHECK_BITS(what, EPX_FLOAT32, res.out[r], want[r], m.T[r] * m.H, m.H);
     tu_free_all(want, m.R);
   }
   tu_pipe_free(&res, m.R);
@@ -425,8 +425,8 @@ static void ll_overflow(void) {
   teardown(&s);
 }
 
-/* Single-rank calls that must fail before any collective step. */
-static void null_and_invalid(void) {
+/* World configs refused. */
+static void bad_world_configs(void) {
   epx_world_config_t wc;
   epx_world_config_init(&wc);
   wc.backend = EPX_BACKEND_HOST, wc.nranks = 1;
@@ -439,7 +439,32 @@ static void null_and_invalid(void) {
   CHECK_STATUS(epx_world_create(&wc, &world), EPX_ERR_INVALID_ARGUMENT, "nranks 65");
   CHECK(tu_contains(epx_last_error(), "nranks") || tu_contains(epx_last_error(), "rank"), "nranks 65 message: \"%s\"",
         epx_last_error());
+}
 
+/* A fresh handle has no plan to replay, and nothing to combine; recv_x ([64, 16] float32)
+ * stays as it was. */
+static void fresh_handle_refuses(epx_comm_t *comm, const epx_dispatch_args_t *a, float *recv) {
+  epx_handle_t *fresh = NULL;
+  epx_handle_config_t hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
+  if (!CHECK_STATUS(epx_handle_create(comm, &hc, &fresh), EPX_SUCCESS, "a fresh handle")) return;
+  epx_status_t st = epx_dispatch(comm, fresh, NULL, a);
+  CHECK(st != EPX_SUCCESS && *epx_last_error(), "dispatch(routing NULL) on a handle never planned: %s",
+        epx_status_string(st));
+  float *o = tu_alloc_poison(sizeof(float) * 6 * 16);
+  epx_combine_args_t cc;
+  epx_combine_args_init(&cc);
+  cc.y = recv, cc.y_dtype = EPX_FLOAT32, cc.out = o, cc.out_dtype = EPX_FLOAT32;
+  st = epx_combine(comm, fresh, &cc);
+  CHECK(st != EPX_SUCCESS && *epx_last_error(), "combine on a handle never planned: %s", epx_status_string(st));
+  CHECK(tu_is_poison(recv, sizeof(float) * 64 * 16) && tu_is_poison(o, sizeof(float) * 6 * 16),
+        "a refused replay or combine wrote its outputs");
+  free(o);
+  epx_handle_destroy(fresh);
+}
+
+/* Single-rank calls that must fail before any collective step. */
+static void null_and_invalid(void) {
+  bad_world_configs();
   setup_t s;
   setup(&s, 1, 4, 16, 2, 32, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
   if (!s.ok) {
@@ -492,24 +517,7 @@ static void null_and_invalid(void) {
   a.recv_x = recv;
   CHECK(tu_is_poison(recv, sizeof(float) * 64 * 16), "a failed dispatch wrote recv_x");
 
-  /* A fresh handle has no plan to replay, and nothing to combine. */
-  epx_handle_t *fresh = NULL;
-  hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
-  if (CHECK_STATUS(epx_handle_create(comm, &hc, &fresh), EPX_SUCCESS, "a fresh handle")) {
-    epx_status_t st = epx_dispatch(comm, fresh, NULL, &a);
-    CHECK(st != EPX_SUCCESS && *epx_last_error(), "dispatch(routing NULL) on a handle never planned: %s",
-          epx_status_string(st));
-    float *o = tu_alloc_poison(sizeof(float) * 6 * 16);
-    epx_combine_args_t cc;
-    epx_combine_args_init(&cc);
-    cc.y = recv, cc.y_dtype = EPX_FLOAT32, cc.out = o, cc.out_dtype = EPX_FLOAT32;
-    st = epx_combine(comm, fresh, &cc);
-    CHECK(st != EPX_SUCCESS && *epx_last_error(), "combine on a handle never planned: %s", epx_status_string(st));
-    CHECK(tu_is_poison(recv, sizeof(float) * 64 * 16) && tu_is_poison(o, sizeof(float) * 6 * 16),
-          "a refused replay or combine wrote its outputs");
-    free(o);
-    epx_handle_destroy(fresh);
-  }
+  fresh_handle_refuses(comm, &a, recv);
 
   /* Values out of their documented domain. */
   epx_routing_t neg = rt;
@@ -562,7 +570,7 @@ static void status_strings(void) {
       "EPX_ERR_EXPERTS_NOT_DIVISIBLE", "EPX_ERR_TOPK_RANGE", "EPX_ERR_HIDDEN_RANGE", "EPX_ERR_ROW_ALIGNMENT",
       "EPX_ERR_OUTPUT_TOO_SMALL", "EPX_ERR_LL_OVERFLOW",   "EPX_ERR_CONFIG_MISMATCH",  "EPX_ERR_TIMEOUT",
       "EPX_ERR_PEER_LOST",    "EPX_ERR_UNSUPPORTED",      "EPX_ERR_OUT_OF_MEMORY",    "EPX_ERR_SYSTEM",
-      "EPX_ERR_CUDA",         "EPX_ERR_BROKEN",           "EPX_ERR_INTERNAL"};
+      "EPX_ERR_CUDA",         "EPX_ERR_BROKEN",           "EPX_ERR_INTERNAL",         "EPX_ERR_OUT_OF_STEP"};
   for (int i = 0; i < EPX_NUM_STATUS; i++) {
     const char *s = epx_status_string((epx_status_t)i);
     CHECK(s != NULL, "epx_status_string(%d) is NULL", i);

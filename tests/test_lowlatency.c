@@ -20,7 +20,7 @@ static void check_recv(const char *what, const tu_moe_t *m, const tu_pipe_t *p, 
   CHECK(res->cap[d] == L * stride, "%s: LL buffer rows %lld", what, (long long)res->cap[d]);
   char w2[640];
   snprintf(w2, sizeof w2, "%s rank %d tokens_per_local_expert", what, d);
-  tu_check_bits(w2, EPX_INT32, res->cnt[d], ex->cnt, L, L);
+  CHECK_BITS(w2, EPX_INT32, res->cnt[d], ex->cnt, L, L);
 
   uint8_t *row = malloc(rb);
   float *sc = malloc(sizeof(float) * (size_t)nb), *f = malloc(sizeof(float) * (size_t)H);

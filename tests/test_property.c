@@ -1,5 +1,7 @@
 /* test_property: a sweep over fresh random configs and routings, every result compared bit for
- * bit with dense_moe. Each case is printed when it fails; EPX_TEST_SEED reproduces the sweep.
+ * bit with dense_moe; half the cases feed special values (NaN payloads, infinities, -0.0,
+ * subnormals, values past e4m3's range): copied rows keep their bits, every NaN that
+ * arithmetic makes is canonical. Each case is printed when it fails; EPX_TEST_SEED reproduces the sweep.
  * EPX_TEST_CASES overrides the number of cases (default 100). */
 #include <stdlib.h>
 #include <string.h>
@@ -11,18 +13,92 @@ static const char *sc_name[SC_COUNT] = {"random", "one-expert", "sparse", "nowhe
 
 static epx_dtype_t pick_float(void) { return tu_int(&tu_rng, 0, 1) ? EPX_BFLOAT16 : EPX_FLOAT32; }
 
+/* ---- special values ------------------------------------------------------------------- */
+/* NaNs with payloads (quiet, signalling, negative), infinities, -0.0, subnormals, values past
+ * e4m3's range (448) and past bf16's largest finite value. */
+static const uint32_t f32_specials[] = {0x7fc01234u, 0xffc00001u, 0x7f800001u, 0x7fffffffu, 0x7f800000u, 0xff800000u,
+                                        0x80000000u, 0x00000001u, 0x807fffffu, 0x43f00000u /* 480 */,
+                                        0xc8927c00u /* -3e5 */, 0x7f7fffffu};
+static const uint16_t bf16_specials[] = {0x7fc1u, 0xffa5u, 0x7f81u, 0x7fffu, 0x7f80u, 0xff80u, 0x8000u,
+                                         0x0001u, 0x807fu, 0x43f0u /* 480 */, 0xc893u, 0x7f7fu};
+
+/* Overwrites about one element in `rate` of every rank's tokens with a special value. */
+static void add_specials(tu_moe_t *m, int rate) {
+  for (int r = 0; r < m->R; r++)
+    for (int64_t i = 0; i < m->T[r] * m->H; i++) {
+      if (tu_int(&tu_rng, 0, rate - 1)) continue;
+      if (m->x_dtype == EPX_FLOAT32)
+        memcpy((float *)m->x[r] + i, &f32_specials[tu_int(&tu_rng, 0, 11)], 4);
+      else
+        ((uint16_t *)m->x[r])[i] = bf16_specials[tu_int(&tu_rng, 0, 11)];
+    }
+}
+
+/* Half the cases carry special values; a high rate sometimes, so that whole rows and fp8
+ * blocks hold them. Returns the rate (0: none) and notes it in `what`. */
+static int pick_specials(tu_moe_t *m, char *what, size_t size) {
+  const int rate = tu_int(&tu_rng, 0, 1) ? (tu_int(&tu_rng, 0, 3) ? 40 : 3) : 0;
+  if (rate) {
+    add_specials(m, rate);
+    strncat(what, " +special values", size - strlen(what) - 1);
+  }
+  return rate;
+}
+
+/* Every NaN that arithmetic made is the canonical one of its type. */
+static void check_canonical_nans(const char *what, epx_dtype_t t, const void *out, int64_t n) {
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < n; i++) {
+    int nan, canon;
+    if (t == EPX_FLOAT32) {
+      uint32_t u;
+      memcpy(&u, (const float *)out + i, 4);
+      nan = (u & 0x7fffffffu) > 0x7f800000u, canon = u == 0x7fffffffu;
+    } else {
+      uint16_t u = ((const uint16_t *)out)[i];
+      nan = (u & 0x7fffu) > 0x7f80u, canon = u == 0x7fffu;
+    }
+    if (nan && !canon && bad++ == 0) first = i;
+  }
+  CHECK(bad == 0, "%s: %lld NaNs are not canonical (first at %lld)", what, (long long)bad, (long long)first);
+}
+
+/* A row that arrives in its own type is a copy: the bits of the source token, NaN payloads
+ * included; padding rows are zero. */
+static void check_copied_rows(const char *what, const tu_moe_t *m, const tu_pipe_t *p, const tu_pipe_res_t *res, int r) {
+  const size_t rb = (size_t)m->H * (m->x_dtype == EPX_FLOAT32 ? 4 : 2);
+  const int expert = p->layout == EPX_LAYOUT_EXPERT;
+  const int64_t n = expert ? res->ex[r].nrows : res->ex[r].ntok;
+  const tu_row_t *rows = expert ? res->ex[r].pair_rows : res->ex[r].tok_rows;
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < n; i++) {
+    const uint8_t *got = (const uint8_t *)res->recv_x[r] + i * rb;
+    int ok = 1;
+    if (rows[i].src < 0) {
+      for (size_t b = 0; b < rb; b++) ok &= got[b] == 0;
+    } else {
+      ok = memcmp(got, (const uint8_t *)m->x[rows[i].src] + rows[i].tok * rb, rb) == 0;
+    }
+    if (!ok && bad++ == 0) first = i;
+  }
+  CHECK(bad == 0, "%s rank %d: %lld of %lld received rows are not the source's bits (first: row %lld)", what, r,
+        (long long)bad, (long long)n, (long long)first);
+}
+
 static void run_layout(const char *what, tu_world_t *w, epx_handle_t **h, const tu_moe_t *m, const tu_pipe_t *p) {
   tu_pipe_res_t res;
   const int R = m->R;
   if (tu_pipe_check(what, w, h, m, p, NULL, &res) == 0)
     for (int r = 0; r < R; r++) { /* the plan's sizes agree with the routing */
+      if (p->recv_dtype == m->x_dtype) check_copied_rows(what, m, p, &res, r);
+      check_canonical_nans(what, p->out_dtype, res.out[r], m->T[r] * m->H);
       const tu_expect_t *ex = &res.ex[r];
       const int64_t want_rows = p->layout == EPX_LAYOUT_EXPERT ? ex->nrows : ex->ntok;
       CHECK(res.nrows[r] == want_rows, "%s rank %d: num_recv_rows %lld want %lld", what, r, (long long)res.nrows[r],
             (long long)want_rows);
       char ww[640];
       snprintf(ww, sizeof ww, "%s rank %d tokens per local expert", what, r);
-      tu_check_bits(ww, EPX_INT32, res.cnt[r], ex->cnt, m->L, m->L);
+      CHECK_BITS(ww, EPX_INT32, res.cnt[r], ex->cnt, m->L, m->L);
     }
   tu_pipe_free(&res, R);
 }
@@ -83,6 +159,7 @@ static void one_case(int i) {
       for (int64_t j = 0; j < T[r] * K; j++)
         if (tu_int(&tu_rng, 0, 3) == 0) m.w[r][j] = 0.0f;
   if (zero_weights) strncat(what, " +zero weights", sizeof what - strlen(what) - 1);
+  const int specials = pick_specials(&m, what, sizeof what);
   if (form >= TU_FORM_MAP) tu_moe_make_map(&m);
 
   tu_world_t w;
@@ -112,6 +189,7 @@ static void one_case(int i) {
     tu_moe_free(&m);
     for (int r = 0; r < R; r++) T[r] = tu_int(&tu_rng, 0, maxT);
     tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights);
+    if (specials) add_specials(&m, specials);
     if (form >= TU_FORM_MAP) tu_moe_make_map(&m);
     snprintf(w2, sizeof w2, "%s token layout, re-planned", what);
     p.layout = EPX_LAYOUT_TOKEN, p.align = 1;

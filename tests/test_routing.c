@@ -36,17 +36,17 @@ static void one_round_trip(int64_t T, int E, int K, double p_none) {
 
   /* topk -> map, int32 and int64 ids. */
   CHECK_STATUS(epx_topk_to_map(T, E, K, EPX_INT32, idx, w, map, probs), EPX_SUCCESS, "%s int32", what);
-  tu_check_bits(what, EPX_BOOL, map, want_map, (int64_t)ne, E);
-  tu_check_bits(what, EPX_FLOAT32, probs, want_probs, (int64_t)ne, E);
+  CHECK_BITS(what, EPX_BOOL, map, want_map, (int64_t)ne, E);
+  CHECK_BITS(what, EPX_FLOAT32, probs, want_probs, (int64_t)ne, E);
   CHECK_STATUS(epx_topk_to_map(T, E, K, EPX_INT64, idx64, w, map64, probs64), EPX_SUCCESS, "%s int64", what);
-  tu_check_bits(what, EPX_BOOL, map64, want_map, (int64_t)ne, E);
-  tu_check_bits(what, EPX_FLOAT32, probs64, want_probs, (int64_t)ne, E);
+  CHECK_BITS(what, EPX_BOOL, map64, want_map, (int64_t)ne, E);
+  CHECK_BITS(what, EPX_FLOAT32, probs64, want_probs, (int64_t)ne, E);
 
   /* Without weights every chosen expert gets probability 1. */
   expected_map(T, E, K, idx, NULL, want_map, want_probs);
   memset(probs, TU_POISON, sizeof(float) * ne);
   CHECK_STATUS(epx_topk_to_map(T, E, K, EPX_INT32, idx, NULL, map, probs), EPX_SUCCESS, "%s no weights", what);
-  tu_check_bits(what, EPX_FLOAT32, probs, want_probs, (int64_t)ne, E);
+  CHECK_BITS(what, EPX_FLOAT32, probs, want_probs, (int64_t)ne, E);
 
   /* map -> topk: ascending expert ids, -1 / 0 padding. */
   int32_t *want_idx = malloc(sizeof(int32_t) * (nk + 1));
@@ -60,8 +60,8 @@ static void one_round_trip(int64_t T, int E, int K, double p_none) {
   for (size_t i = 0; i < ne; i++)
     if (!map64[i]) probs64[i] = 0.5f + (float)(i % 7);
   CHECK_STATUS(epx_map_to_topk(T, E, K, map64, probs64, back, back_w), EPX_SUCCESS, "%s map->topk", what);
-  tu_check_bits(what, EPX_INT32, back, want_idx, (int64_t)nk, K);
-  tu_check_bits(what, EPX_FLOAT32, back_w, want_w, (int64_t)nk, K);
+  CHECK_BITS(what, EPX_INT32, back, want_idx, (int64_t)nk, K);
+  CHECK_BITS(what, EPX_FLOAT32, back_w, want_w, (int64_t)nk, K);
   long unsorted = 0;
   for (int64_t t = 0; t < T; t++)
     for (int k = 1; k < K; k++) {
@@ -74,13 +74,13 @@ static void one_round_trip(int64_t T, int E, int K, double p_none) {
   for (size_t i = 0; i < nk; i++) want_w[i] = want_idx[i] >= 0 ? 1.0f : 0.0f;
   memset(back_w, TU_POISON, sizeof(float) * nk);
   CHECK_STATUS(epx_map_to_topk(T, E, K, map64, NULL, back, back_w), EPX_SUCCESS, "%s map->topk no probs", what);
-  tu_check_bits(what, EPX_INT32, back, want_idx, (int64_t)nk, K);
-  tu_check_bits(what, EPX_FLOAT32, back_w, want_w, (int64_t)nk, K);
+  CHECK_BITS(what, EPX_INT32, back, want_idx, (int64_t)nk, K);
+  CHECK_BITS(what, EPX_FLOAT32, back_w, want_w, (int64_t)nk, K);
 
   /* And back again: map -> topk -> map is the identity. */
   memset(map, TU_POISON, ne);
   CHECK_STATUS(epx_topk_to_map(T, E, K, EPX_INT32, back, NULL, map, probs), EPX_SUCCESS, "%s second trip", what);
-  tu_check_bits(what, EPX_BOOL, map, map64, (int64_t)ne, E);
+  CHECK_BITS(what, EPX_BOOL, map, map64, (int64_t)ne, E);
 
   free(idx), free(idx64), free(w), free(want_map), free(map), free(map64), free(want_probs), free(probs), free(probs64);
   free(want_idx), free(want_w), free(back), free(back_w);

@@ -25,8 +25,8 @@ static epx_status_t layer(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t
   d.x = x, d.x_dtype = d.recv_dtype = EPX_FLOAT32, d.recv_x = recv, d.recv_capacity = cap, d.recv_probs = probs;
   d.part = halves ? EPX_PART_SEND : EPX_PART_ALL;
   epx_status_t s = epx_dispatch(comm, h, rt, &d);
-  epx_dispatch_args_t complete;
-  memset(&complete, 0, sizeof complete); /* COMPLETE reads only its part */
+  epx_dispatch_args_t complete; /* COMPLETE reads only its part */
+  epx_dispatch_args_init(&complete);
   complete.part = EPX_PART_COMPLETE;
   if (s == EPX_SUCCESS && halves) s = epx_dispatch(comm, h, NULL, &complete);
   epx_combine_args_t c;
@@ -35,7 +35,7 @@ static epx_status_t layer(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t
   c.part = halves ? EPX_PART_SEND : EPX_PART_ALL;
   if (s == EPX_SUCCESS) s = epx_combine(comm, h, &c);
   epx_combine_args_t ccomplete;
-  memset(&ccomplete, 0, sizeof ccomplete);
+  epx_combine_args_init(&ccomplete);
   ccomplete.part = EPX_PART_COMPLETE;
   if (s == EPX_SUCCESS && halves) s = epx_combine(comm, h, &ccomplete);
   free(recv);
@@ -98,10 +98,10 @@ int main(void) {
   epx_run_ranks(R, rank_main, &t, NULL);
   for (int r = 0; r < R; r++) {
     CHECK_STATUS(t.st[r], EPX_SUCCESS, "rank %d", r);
-    tu_check_bits("SEND + COMPLETE against the whole operation", EPX_FLOAT32, t.out_split[r], t.out_whole[r], T[r] * H, H);
+    CHECK_BITS("SEND + COMPLETE against the whole operation", EPX_FLOAT32, t.out_split[r], t.out_whole[r], T[r] * H, H);
     CHECK(t.refusals[r] == 3, "rank %d: %d of 3 out-of-order calls refused (-1: the SEND/COMPLETE pair failed)", r,
           t.refusals[r]);
-    tu_check_bits("the layer after the refusals", EPX_FLOAT32, t.out_after[r], t.out_whole[r], T[r] * H, H);
+    CHECK_BITS("the layer after the refusals", EPX_FLOAT32, t.out_after[r], t.out_whole[r], T[r] * H, H);
     free(t.out_whole[r]);
     free(t.out_split[r]);
     free(t.out_after[r]);

@@ -1,5 +1,6 @@
 /* epx-bench on the CUDA backend: device memory, events, the stand-in experts as kernels with
- * the host's arithmetic, and the copy bandwidth that is the emulation's floor. */
+ * the host's arithmetic, and the two copy references: the device's copy bandwidth (the floor)
+ * and a plain copy kernel's bytes per SM-second. */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -132,28 +133,62 @@ static void dev_standin_experts(const bench_standin_t *a, void *s) {
   check(cudaGetLastError(), "stand-in kernel");
 }
 
-static double dev_copy_bandwidth(void) {
-  const size_t bytes = (size_t)2 << 30;
+/* The per-SM reference: the plainest copy there is, a 1024-thread block per SM, each thread
+ * a 16-byte load and store per step. */
+static __global__ void __launch_bounds__(1024) sm_copy_kernel(const int4 *__restrict__ src, int4 *__restrict__ dst,
+                                                              size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+
+/* Bytes read plus written per second by the best of a few copies of `bytes` (far past L2):
+ * cudaMemcpy's own when blocks is 0, else the copy kernel's on that many blocks. */
+static double copy_rate(size_t bytes, int blocks) {
   void *a = dev_alloc(bytes), *b = dev_alloc(bytes);
   cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  check(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "warm-up copy");
+  check(cudaEventCreate(&e0), "event");
+  check(cudaEventCreate(&e1), "event");
   float best = 1e30f;
-  for (int i = 0; i < 5; i++) {
+  for (int i = -1; i < 5; i++) { /* the first is a warm-up */
     cudaEventRecord(e0);
-    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    if (blocks) sm_copy_kernel<<<blocks, 1024>>>((const int4 *)a, (int4 *)b, bytes / sizeof(int4));
+    else cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
     cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
+    check(cudaEventSynchronize(e1), "copy");
     float ms;
     cudaEventElapsedTime(&ms, e0, e1);
-    if (ms < best) best = ms;
+    if (i >= 0 && ms < best) best = ms;
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaFree(a);
   cudaFree(b);
   return 2.0 * (double)bytes / (best * 1e-3);
+}
+
+static double dev_copy_bandwidth(void) { return copy_rate((size_t)2 << 30, 0); }
+
+/* Per SM, on `blocks` SMs (at most the device's). */
+static double dev_sm_copy_bandwidth(int blocks) {
+  int dev = 0, sms = 0;
+  check(cudaGetDevice(&dev), "device");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  blocks = blocks > sms ? sms : blocks < 1 ? 1 : blocks;
+  return copy_rate((size_t)1 << 30, blocks) / blocks;
+}
+
+static void dev_describe(char *text, size_t bytes) {
+  int n = 0, dev = 0;
+  cudaDeviceProp p;
+  check(cudaGetDeviceCount(&n), "device count");
+  check(cudaGetDevice(&dev), "device");
+  check(cudaGetDeviceProperties(&p, dev), "device properties");
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  snprintf(text, bytes, "%s, %d SMs, %.0f GiB, %d GPU%s visible, CUDA driver %d.%d, runtime %d.%d", p.name,
+           p.multiProcessorCount, (double)p.totalGlobalMem / (1 << 30), n, n == 1 ? "" : "s", driver / 1000,
+           driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
 }
 
 static void dev_capture_begin(void *s) {
@@ -174,4 +209,5 @@ extern "C" const bench_dev_t bench_cuda_dev = {
     "cuda", dev_alloc, dev_release, dev_upload, dev_download, dev_stream_create, dev_stream_destroy, dev_bind_rank,
     dev_event_create, dev_event_destroy, dev_event_record, dev_elapsed_ms, dev_standin_tokens, dev_standin_experts,
     dev_copy_bandwidth, dev_capture_begin, dev_capture_end, dev_graph_launch, dev_graph_destroy,
+    dev_sm_copy_bandwidth, dev_describe,
 };

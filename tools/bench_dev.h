@@ -47,6 +47,11 @@ typedef struct {
   void *(*capture_end)(void *stream);
   void (*graph_launch)(void *exec, void *stream);
   void (*graph_destroy)(void *exec);
+  /* The per-SM reference (NULL where there are no SMs): bytes read plus written per second
+   * and per SM by a plain copy kernel on `blocks` SMs (1024 threads, 16-byte loads/stores). */
+  double (*sm_copy_bandwidth)(int blocks);
+  /* What the device is, for the report (NULL: nothing to add to the host's description). */
+  void (*describe)(char *text, size_t bytes);
 } bench_dev_t;
 
 extern const bench_dev_t bench_host_dev;

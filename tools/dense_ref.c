@@ -16,11 +16,17 @@ static float round_to(epx_dtype_t t, float v) {
   return v;
 }
 
+/* Every stored value is a sum: a NaN is the canonical one (float32 0x7FFFFFFF; bf16 0x7FFF
+ * by the conversion), whatever payload x86 arithmetic carried along. */
 static void store(epx_dtype_t t, void *base, size_t i, float v) {
-  if (t == EPX_BFLOAT16)
+  if (t == EPX_BFLOAT16) {
     ((uint16_t *)base)[i] = epx_float_to_bf16(v);
-  else
+  } else if (v != v) {
+    const uint32_t nan = 0x7fffffffu;
+    memcpy((float *)base + i, &nan, sizeof nan);
+  } else {
     ((float *)base)[i] = v;
+  }
 }
 
 static int is_float_type(epx_dtype_t t) { return t == EPX_FLOAT32 || t == EPX_BFLOAT16; }

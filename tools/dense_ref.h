@@ -22,7 +22,8 @@
  *                               of w * float(y_e))
  *   source:  out[t] = cast_out(sum over destination ranks d ascending that the token went
  *            to of float(row_d or partial_d)). A token that routes nowhere gives 0.
- *   Every sum is float32, left to right, starting from 0.0f. A missing weight array
+ *   Every sum is float32, left to right, starting from 0.0f; a NaN result is stored as the
+ *   canonical NaN of the output type (float32 0x7FFFFFFF, bf16 0x7FFF). A missing weight array
  *   (topk_weights NULL, or topk_weights[s] NULL) means every weight is 1.
  */
 #ifndef EPX_DENSE_REF_H

@@ -11,6 +11,7 @@
  * one GPU) is not counted; with a device per rank it is the slowest rank's own time. The figure
  * is the median over iterations. Every figure comes with its floor: the bytes the phase must move
  * through memory over the measured copy bandwidth (all ranks share one device when emulated). */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <math.h>
@@ -20,20 +21,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench_dev.h"
+#include "bench.h"
 #include "dense_ref.h"
-#include "epx.h"
 
-typedef struct {
-  epx_backend_t backend;
-  int ranks, tokens, hidden, experts, topk, align, iters, warmup, check, json;
-  int ll, a2a, expert_layout, num_sms, graph;
-  epx_dtype_t x_dtype, recv_dtype;
-  uint64_t seed;
-} opts_t;
-
-enum { PH_LAYOUT, PH_NOTIFY, PH_DISPATCH, PH_STANDIN, PH_COMBINE, PH_COUNT };
-static const char *const phase_names[PH_COUNT] = {"layout", "notify", "dispatch", "experts", "combine"};
+typedef bench_opts_t opts_t;
 
 /* What each rank receives and sends, counted from the routing on the host. */
 typedef struct {
@@ -59,6 +50,7 @@ typedef struct {
   pthread_cond_t cond;
   int arrived, generation, failed;
   char error[EPX_MAX_RANKS][512];
+  double started, last_progress; /* wall clock: progress lines for long runs */
 } bench_t;
 
 /* Waits until every rank arrives (0), or a rank failed or 120 s passed (-1). */
@@ -184,10 +176,21 @@ static double host_copy_bandwidth(void) {
 const bench_dev_t bench_host_dev = {
     "host", host_alloc, host_release, host_copy, host_copy, host_stream_create, host_stream_destroy, host_bind_rank,
     host_event_create, free, host_event_record, host_elapsed_ms, host_standin_tokens, host_standin_experts,
-    host_copy_bandwidth, NULL, NULL, NULL, NULL,
+    host_copy_bandwidth, NULL, NULL, NULL, NULL, NULL, NULL,
 };
 
 /* ---- one rank ------------------------------------------------------------------------- */
+
+/* A run longer than a few seconds says how far it is, on stderr (the results go elsewhere). */
+static void progress(bench_t *b, int it) {
+  const double t = now();
+  if (t - b->started < 3.0 || t - b->last_progress < 5.0) return;
+  b->last_progress = t;
+  if (it < 0)
+    fprintf(stderr, "epx-bench: warm-up %d of %d, %.0f s\n", it + b->o.warmup + 1, b->o.warmup, t - b->started);
+  else
+    fprintf(stderr, "epx-bench: iteration %d of %d, %.0f s\n", it + 1, b->o.iters, t - b->started);
+}
 
 #define TRY(b, rank, call)                                                                        \
   do {                                                                                            \
@@ -199,23 +202,80 @@ const bench_dev_t bench_host_dev = {
     }                                                                                             \
   } while (0)
 
+/* What one rank's layer calls take. */
+typedef struct {
+  epx_comm_t *comm;
+  epx_handle_t *handle;
+  void *stream, *ev[PH_COUNT + 1];
+  epx_routing_t routing;
+  int32_t *per_rank, *per_expert;
+  epx_dispatch_args_t da;
+  epx_combine_args_t ca;
+  bench_standin_t sa;
+} layer_t;
+
+/* The comm and the handle of the options: 0, or 1 with the rank's error set. */
+static int open_comm(bench_t *b, int rank, layer_t *l) {
+  const opts_t *o = &b->o;
+  epx_config_t cfg;
+  epx_config_init(&cfg);
+  cfg.num_experts = o->experts;
+  cfg.hidden = o->hidden;
+  cfg.topk = o->topk;
+  cfg.max_tokens_per_rank = o->tokens;
+  cfg.num_sms = o->num_sms;
+  TRY(b, rank, epx_comm_init(b->world, rank, &cfg, &l->comm));
+  if (l->stream) TRY(b, rank, epx_comm_set_stream(l->comm, l->stream));
+  epx_handle_config_t hc;
+  epx_handle_config_init(&hc);
+  hc.algo = o->ll ? EPX_ALGO_LL : o->a2a ? EPX_ALGO_ALLTOALL : EPX_ALGO_HT;
+  hc.layout = o->expert_layout ? EPX_LAYOUT_EXPERT : EPX_LAYOUT_TOKEN;
+  hc.align = o->align;
+  hc.exact = 0; /* sizes come from the host's count; no sync inside the timed phases */
+  TRY(b, rank, epx_handle_create(l->comm, &hc, &l->handle));
+  return 0;
+done:
+  return 1;
+}
+
+/* One layer issued on the rank's stream, an event between phases: 0, or 1 with the error set. */
+static int issue_layer(bench_t *b, int rank, layer_t *l) {
+  const bench_dev_t *dev = b->dev;
+  dev->event_record(l->ev[0], l->stream);
+  TRY(b, rank, epx_get_layout(l->comm, &l->routing, l->per_rank, l->per_expert, NULL));
+  dev->event_record(l->ev[1], l->stream);
+  TRY(b, rank, epx_notify(l->comm, l->handle, &l->routing));
+  dev->event_record(l->ev[2], l->stream);
+  TRY(b, rank, epx_dispatch(l->comm, l->handle, NULL, &l->da));
+  dev->event_record(l->ev[3], l->stream);
+  if (expert_rows(&b->o))
+    dev->standin_experts(&l->sa, l->stream);
+  else
+    dev->standin_tokens(&l->sa, l->stream);
+  dev->event_record(l->ev[4], l->stream);
+  TRY(b, rank, epx_combine(l->comm, l->handle, &l->ca));
+  dev->event_record(l->ev[5], l->stream);
+  return 0;
+done:
+  return 1;
+}
+
 static epx_status_t run_rank(int rank, void *arg) {
   bench_t *b = arg;
   const opts_t *o = &b->o;
   const bench_dev_t *dev = b->dev;
   const int L = o->experts / o->ranks, H = o->hidden, K = o->topk, T = o->tokens, R = o->ranks;
   const int64_t rows = b->size[rank].recv_rows > 0 ? b->size[rank].recv_rows : 1;
-  epx_comm_t *comm = NULL;
-  epx_handle_t *handle = NULL;
-  void *ev[PH_COUNT + 1] = {0}, *graph = NULL;
+  layer_t l = {0};
+  void *graph = NULL;
   dev->bind_rank(rank, R);
 
   /* Everything is allocated before the first collective call: an allocation must never
    * wait on the device while a peer's kernel waits on this rank. */
-  void *stream = dev->stream_create();
+  void *stream = l.stream = dev->stream_create();
   void *x = dev->alloc((size_t)T * H * esize(o->x_dtype)), *out = dev->alloc((size_t)T * H * esize(o->x_dtype));
-  int32_t *idx = dev->alloc(sizeof(int32_t) * T * K), *per_rank = dev->alloc(sizeof(int32_t) * R),
-          *per_expert = dev->alloc(sizeof(int32_t) * o->experts), *counts = dev->alloc(sizeof(int32_t) * L),
+  int32_t *idx = dev->alloc(sizeof(int32_t) * T * K), *per_rank = l.per_rank = dev->alloc(sizeof(int32_t) * R),
+          *per_expert = l.per_expert = dev->alloc(sizeof(int32_t) * o->experts), *counts = dev->alloc(sizeof(int32_t) * L),
           *ridx = dev->alloc(sizeof(int32_t) * rows * K);
   float *w = dev->alloc(sizeof(float) * T * K), *scales = dev->alloc(sizeof(float) * rows * fp8_blocks(H)),
         *rw = dev->alloc(sizeof(float) * rows * K), *probs = dev->alloc(sizeof(float) * rows);
@@ -224,48 +284,23 @@ static epx_status_t run_rank(int rank, void *arg) {
   dev->upload(x, b->x[rank], (size_t)T * H * esize(o->x_dtype));
   dev->upload(idx, b->idx[rank], sizeof(int32_t) * T * K);
   dev->upload(w, b->w[rank], sizeof(float) * T * K);
-  for (int i = 0; i <= PH_COUNT; i++) ev[i] = dev->event_create();
+  for (int i = 0; i <= PH_COUNT; i++) l.ev[i] = dev->event_create();
+  if (open_comm(b, rank, &l)) goto done;
 
-  epx_config_t cfg;
-  epx_config_init(&cfg);
-  cfg.num_experts = o->experts;
-  cfg.hidden = H;
-  cfg.topk = K;
-  cfg.max_tokens_per_rank = T;
-  cfg.num_sms = o->num_sms;
-  TRY(b, rank, epx_comm_init(b->world, rank, &cfg, &comm));
-  if (stream) TRY(b, rank, epx_comm_set_stream(comm, stream));
-  epx_handle_config_t hc;
-  epx_handle_config_init(&hc);
-  hc.algo = o->ll ? EPX_ALGO_LL : o->a2a ? EPX_ALGO_ALLTOALL : EPX_ALGO_HT;
-  hc.layout = o->expert_layout ? EPX_LAYOUT_EXPERT : EPX_LAYOUT_TOKEN;
-  hc.align = o->align;
-  hc.exact = 0; /* sizes come from the host's count; no sync inside the timed phases */
-  TRY(b, rank, epx_handle_create(comm, &hc, &handle));
+  l.routing = (epx_routing_t){.num_tokens = T, .idx_dtype = EPX_INT32, .topk_idx = idx, .topk_weights = w};
+  epx_dispatch_args_init(&l.da);
+  l.da.x = x, l.da.x_dtype = o->x_dtype, l.da.recv_dtype = o->recv_dtype;
+  l.da.recv_x = recv_x, l.da.recv_scales = scales, l.da.recv_capacity = rows;
+  l.da.recv_topk_idx = expert_rows(o) ? NULL : ridx;
+  l.da.recv_topk_weights = expert_rows(o) ? NULL : rw;
+  l.da.recv_probs = expert_rows(o) ? probs : NULL;
+  l.da.tokens_per_local_expert = counts;
 
-  epx_routing_t routing = {.num_tokens = T, .idx_dtype = EPX_INT32, .topk_idx = idx, .topk_weights = w};
-  epx_dispatch_args_t da;
-  epx_dispatch_args_init(&da);
-  da.x = x;
-  da.x_dtype = o->x_dtype;
-  da.recv_dtype = o->recv_dtype;
-  da.recv_x = recv_x;
-  da.recv_scales = scales;
-  da.recv_capacity = rows;
-  da.recv_topk_idx = expert_rows(o) ? NULL : ridx;
-  da.recv_topk_weights = expert_rows(o) ? NULL : rw;
-  da.recv_probs = expert_rows(o) ? probs : NULL;
-  da.tokens_per_local_expert = counts;
+  epx_combine_args_init(&l.ca);
+  l.ca.y = y, l.ca.y_dtype = o->x_dtype, l.ca.out = out, l.ca.out_dtype = o->x_dtype;
+  l.ca.weighted = expert_rows(o);
 
-  epx_combine_args_t ca;
-  epx_combine_args_init(&ca);
-  ca.y = y;
-  ca.y_dtype = o->x_dtype;
-  ca.out = out;
-  ca.out_dtype = o->x_dtype;
-  ca.weighted = expert_rows(o);
-
-  bench_standin_t sa = {.rank = rank, .nranks = R, .num_local = L, .hidden = H, .topk = K, .align = o->align,
+  l.sa = (bench_standin_t){.rank = rank, .nranks = R, .num_local = L, .hidden = H, .topk = K, .align = o->align,
                         .ll_stride = o->ll ? (int64_t)R * T : 0, .recv_dtype = o->recv_dtype, .y_dtype = o->x_dtype,
                         .rows = expert_rows(o) ? rows : b->size[rank].recv_tokens, .recv_x = recv_x,
                         .scales = scales, .recv_idx = ridx, .recv_w = rw, .counts = counts, .y = y};
@@ -286,30 +321,18 @@ static epx_status_t run_rank(int rank, void *arg) {
       dev->graph_launch(graph, stream);
     } else {
       if (capture) dev->capture_begin(stream);
-      dev->event_record(ev[0], stream);
-      TRY(b, rank, epx_get_layout(comm, &routing, per_rank, per_expert, NULL));
-      dev->event_record(ev[1], stream);
-      TRY(b, rank, epx_notify(comm, handle, &routing));
-      dev->event_record(ev[2], stream);
-      TRY(b, rank, epx_dispatch(comm, handle, NULL, &da));
-      dev->event_record(ev[3], stream);
-      if (expert_rows(o))
-        dev->standin_experts(&sa, stream);
-      else
-        dev->standin_tokens(&sa, stream);
-      dev->event_record(ev[4], stream);
-      TRY(b, rank, epx_combine(comm, handle, &ca));
-      dev->event_record(ev[5], stream);
+      if (issue_layer(b, rank, &l)) goto done;
       if (capture) {
         graph = dev->capture_end(stream);
         dev->graph_launch(graph, stream);
       }
     }
-    TRY(b, rank, epx_comm_synchronize(comm));
+    TRY(b, rank, epx_comm_synchronize(l.comm));
+    if (rank == 0) progress(b, it);
     if (it >= 0)
       for (int i = 0; i <= PH_COUNT; i++)
         b->stamp[((size_t)rank * o->iters + it) * (PH_COUNT + 1) + i] =
-            dev->elapsed_ms(b->shared_clock ? b->origin : ev[0], ev[i]);
+            dev->elapsed_ms(b->shared_clock ? b->origin : l.ev[0], l.ev[i]);
   }
   dev->download(counts_host, counts, sizeof(int32_t) * L);
   dev->download(b->out[rank], out, (size_t)T * H * esize(o->x_dtype));
@@ -321,92 +344,18 @@ static epx_status_t run_rank(int rank, void *arg) {
 done:
   if (b->error[rank][0]) meet(b, 1);
   if (graph) dev->graph_destroy(graph);
-  epx_handle_destroy(handle);
-  epx_comm_destroy(comm);
+  epx_handle_destroy(l.handle);
+  epx_comm_destroy(l.comm);
   void *bufs[] = {x, out, idx, per_rank, per_expert, counts, ridx, w, scales, rw, probs, recv_x, y};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev->release(bufs[i]);
   for (int i = 0; i <= PH_COUNT; i++)
-    if (ev[i]) dev->event_destroy(ev[i]);
+    if (l.ev[i]) dev->event_destroy(l.ev[i]);
   dev->stream_destroy(stream);
   free(counts_host);
   return b->error[rank][0] ? EPX_ERR_INTERNAL : EPX_SUCCESS;
 }
 
-/* ---- driver --------------------------------------------------------------------------- */
-
-static void usage(void) {
-  fprintf(stderr,
-          "usage: epx-bench [--backend auto|host|cuda] [--ranks R] [--tokens T] [--hidden H] [--experts E]\n"
-          "                 [--topk K] [--dtype bf16|fp32|fp8] [--mode ht|ll|a2a] [--layout token|expert]\n"
-          "                 [--align A] [--iters N] [--warmup N] [--num-sms S] [--seed N] [--check] [--json] [--graph]\n"
-          "defaults: auto, 8 ranks, 512 tokens per rank, H 7168, 256 experts, top-8, bf16, ht, token layout\n"
-          "fp8 dispatches bf16 tokens as e4m3 with a scale per 128 channels; combine stays bf16.\n"
-          "a2a is the permute -> all-to-all -> sort baseline on the same API.\n"
-          "--graph (CUDA) captures the layer once and times graph replays.\n");
-}
-
-static int parse(int argc, char **argv, opts_t *o) {
-  *o = (opts_t){.backend = EPX_BACKEND_AUTO, .ranks = 8, .tokens = 512, .hidden = 7168, .experts = 256, .topk = 8,
-                .align = 1, .iters = -1, .warmup = 1, .x_dtype = EPX_BFLOAT16, .recv_dtype = EPX_BFLOAT16};
-  o->seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 20);
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define INTARG(name, field)               \
-  if (!strcmp(a, name) && v) {            \
-    o->field = atoi(v);                   \
-    i++;                                  \
-    continue;                             \
-  }
-    INTARG("--ranks", ranks) INTARG("--tokens", tokens) INTARG("--hidden", hidden) INTARG("--experts", experts)
-    INTARG("--topk", topk) INTARG("--align", align) INTARG("--iters", iters) INTARG("--warmup", warmup)
-    INTARG("--num-sms", num_sms)
-#undef INTARG
-    if (!strcmp(a, "--seed") && v) { o->seed = strtoull(v, NULL, 10); i++; continue; }
-    if (!strcmp(a, "--check")) { o->check = 1; continue; }
-    if (!strcmp(a, "--json")) { o->json = 1; continue; }
-    if (!strcmp(a, "--graph")) { o->graph = 1; continue; }
-    if (!strcmp(a, "--backend") && v) {
-      i++;
-      if (!strcmp(v, "host")) o->backend = EPX_BACKEND_HOST;
-      else if (!strcmp(v, "cuda")) o->backend = EPX_BACKEND_CUDA;
-      else if (!strcmp(v, "auto")) o->backend = EPX_BACKEND_AUTO;
-      else return fprintf(stderr, "unknown backend %s\n", v), -1;
-      continue;
-    }
-    if (!strcmp(a, "--dtype") && v) {
-      i++;
-      if (!strcmp(v, "bf16")) o->x_dtype = o->recv_dtype = EPX_BFLOAT16;
-      else if (!strcmp(v, "fp32")) o->x_dtype = o->recv_dtype = EPX_FLOAT32;
-      else if (!strcmp(v, "fp8")) o->x_dtype = EPX_BFLOAT16, o->recv_dtype = EPX_FP8_E4M3;
-      else return fprintf(stderr, "unknown dtype %s\n", v), -1;
-      continue;
-    }
-    if (!strcmp(a, "--mode") && v) {
-      i++;
-      if (!strcmp(v, "ht")) o->ll = o->a2a = 0;
-      else if (!strcmp(v, "ll")) o->ll = 1, o->a2a = 0;
-      else if (!strcmp(v, "a2a")) o->ll = 0, o->a2a = 1;
-      else return fprintf(stderr, "unknown mode %s\n", v), -1;
-      continue;
-    }
-    if (!strcmp(a, "--layout") && v) {
-      i++;
-      if (!strcmp(v, "token")) o->expert_layout = 0;
-      else if (!strcmp(v, "expert")) o->expert_layout = 1;
-      else return fprintf(stderr, "unknown layout %s\n", v), -1;
-      continue;
-    }
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(), 1;
-    fprintf(stderr, "unknown or incomplete argument %s\n", a);
-    return -1;
-  }
-  if (o->ranks < 1 || o->ranks > EPX_MAX_RANKS || o->tokens < 0 || o->hidden < 1 || o->experts < 1 || o->topk < 1 ||
-      o->topk > o->experts || o->align < 1 || o->warmup < 0)
-    return fprintf(stderr, "arguments out of range\n"), -1;
-  if (o->iters < 0) o->iters = 3;
-  if (o->iters < 1) return fprintf(stderr, "--iters must be >= 1\n"), -1;
-  return 0;
-}
+/* ---- one run --------------------------------------------------------------------------- */
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -486,7 +435,7 @@ static void phase_bytes(const bench_t *b, double *memory, double *link) {
 }
 
 /* Bit-for-bit comparison with the dense single-process layer. */
-static int check(const bench_t *b) {
+static int check(const bench_t *b, char *detail, size_t n) {
   const opts_t *o = &b->o;
   dense_cfg_t dc = {.nranks = o->ranks, .num_experts = o->experts, .hidden = o->hidden, .topk = o->topk,
                     .x_dtype = o->x_dtype, .recv_dtype = o->recv_dtype, .y_dtype = o->x_dtype,
@@ -500,70 +449,37 @@ static int check(const bench_t *b) {
   }
   int bad = dense_moe(&dc, nt, (const void *const *)b->x, (const int32_t *const *)b->idx,
                       (const float *const *)b->w, want) != 0;
-  if (bad) printf("check: FAILED (the dense reference refused the config)\n");
+  if (bad) snprintf(detail, n, "FAILED (the dense reference refused the config)");
   for (int r = 0; r < o->ranks && !bad; r++)
     for (int64_t i = 0; i < (int64_t)o->tokens * o->hidden && !bad; i++) {
       if (!memcmp((char *)b->out[r] + i * es, (char *)want[r] + i * es, es)) continue;
       float got = o->x_dtype == EPX_FLOAT32 ? ((float *)b->out[r])[i] : epx_bf16_to_float(((uint16_t *)b->out[r])[i]);
       float exp = o->x_dtype == EPX_FLOAT32 ? ((float *)want[r])[i] : epx_bf16_to_float(((uint16_t *)want[r])[i]);
-      printf("check: MISMATCH rank %d token %lld channel %lld: got %.9g, dense reference %.9g\n", r,
-             (long long)(i / o->hidden), (long long)(i % o->hidden), got, exp);
+      snprintf(detail, n, "MISMATCH rank %d token %lld channel %lld: got %.9g, dense reference %.9g", r,
+               (long long)(i / o->hidden), (long long)(i % o->hidden), got, exp);
       bad = 1;
     }
-  if (!bad) printf("check: ok (bit for bit against the dense reference, %d ranks x %d tokens)\n", o->ranks, o->tokens);
+  if (!bad) snprintf(detail, n, "ok (bit for bit against the dense reference, %d ranks x %d tokens)", o->ranks, o->tokens);
   for (int r = 0; r < o->ranks; r++) free(want[r]);
   return bad;
 }
 
-int main(int argc, char **argv) {
-  static bench_t b;
-  int pr = parse(argc, argv, &b.o);
-  if (pr) return pr > 0 ? 0 : 2;
-  opts_t *o = &b.o;
-  if (o->backend == EPX_BACKEND_CUDA && epx_backend_available(EPX_BACKEND_CUDA) != EPX_SUCCESS) {
-    fprintf(stderr, "epx-bench: the CUDA backend is not available: %s\n", epx_last_error());
-    return 2;
-  }
-  epx_world_config_t wc;
-  epx_world_config_init(&wc);
-  wc.backend = o->backend;
-  wc.nranks = o->ranks;
-  epx_status_t s = epx_world_create(&wc, &b.world);
-  if (s != EPX_SUCCESS) {
-    fprintf(stderr, "epx-bench: %s (%s)\n", epx_status_string(s), epx_last_error());
-    return 2;
-  }
-  b.dev = &bench_host_dev;
-#ifdef EPX_BENCH_CUDA
-  if (epx_world_backend(b.world) == EPX_BACKEND_CUDA) b.dev = &bench_cuda_dev;
-#endif
-  if (o->graph && !b.dev->capture_begin) {
-    fprintf(stderr, "epx-bench: --graph needs the CUDA backend\n");
-    epx_world_destroy(b.world);
-    return 2;
-  }
-  if (!o->num_sms) o->num_sms = 16;
-  const char *mode = o->ll ? "ll" : o->a2a ? "a2a" : "ht", *layout = expert_rows(o) ? "expert" : "token";
-  printf("epx-bench: backend %s, %d ranks, %d tokens/rank, hidden %d, %d experts, top-%d, %s%s, mode %s, layout %s, "
-         "align %d, %d SMs per rank, seed %" PRIu64 "\n",
-         epx_backend_name(epx_world_backend(b.world)), o->ranks, o->tokens, o->hidden, o->experts, o->topk,
-         epx_dtype_name(o->x_dtype), o->recv_dtype == EPX_FP8_E4M3 ? " (fp8 dispatch)" : "", mode, layout, o->align,
-         o->num_sms, o->seed);
-
-  /* Inputs: values in [-2, 2), K distinct experts per token in random order, weights in (0, 1). */
+/* Inputs: values in [-2, 2), K distinct experts per token in random order, weights in (0, 1). */
+static void make_inputs(bench_t *b) {
+  const opts_t *o = &b->o;
   uint64_t rng = o->seed;
   const size_t row = (size_t)o->hidden * esize(o->x_dtype);
   int *perm = malloc(sizeof(int) * o->experts);
   for (int r = 0; r < o->ranks; r++) {
     const int64_t n = (int64_t)o->tokens * o->hidden;
-    b.x[r] = malloc(row * (o->tokens ? o->tokens : 1));
-    b.out[r] = malloc(row * (o->tokens ? o->tokens : 1));
-    b.idx[r] = malloc(sizeof(int32_t) * o->tokens * o->topk + 4);
-    b.w[r] = malloc(sizeof(float) * o->tokens * o->topk + 4);
+    b->x[r] = malloc(row * (o->tokens ? o->tokens : 1));
+    b->out[r] = malloc(row * (o->tokens ? o->tokens : 1));
+    b->idx[r] = malloc(sizeof(int32_t) * o->tokens * o->topk + 4);
+    b->w[r] = malloc(sizeof(float) * o->tokens * o->topk + 4);
     for (int64_t i = 0; i < n; i++) {
       float v = (float)(uniform(&rng) * 4.0 - 2.0);
-      if (o->x_dtype == EPX_FLOAT32) ((float *)b.x[r])[i] = v;
-      else ((uint16_t *)b.x[r])[i] = epx_float_to_bf16(v);
+      if (o->x_dtype == EPX_FLOAT32) ((float *)b->x[r])[i] = v;
+      else ((uint16_t *)b->x[r])[i] = epx_float_to_bf16(v);
     }
     for (int t = 0; t < o->tokens; t++) {
       for (int e = 0; e < o->experts; e++) perm[e] = e;
@@ -572,82 +488,177 @@ int main(int argc, char **argv) {
         int tmp = perm[k];
         perm[k] = perm[j];
         perm[j] = tmp;
-        b.idx[r][t * o->topk + k] = perm[k];
-        b.w[r][t * o->topk + k] = (float)(0.05 + 0.95 * uniform(&rng));
+        b->idx[r][t * o->topk + k] = perm[k];
+        b->w[r][t * o->topk + k] = (float)(0.05 + 0.95 * uniform(&rng));
       }
     }
   }
   free(perm);
-  count_sizes(&b);
-  b.stamp = calloc((size_t)o->ranks * o->iters * (PH_COUNT + 1), sizeof(double));
-  pthread_mutex_init(&b.lock, NULL);
-  pthread_cond_init(&b.cond, NULL);
-  b.shared_clock = b.dev->bind_rank(0, o->ranks) == 1;
-  b.origin = b.dev->event_create();
-  const double copy_bw = b.dev->copy_bandwidth();
+}
 
-  epx_run_ranks(o->ranks, run_rank, &b, NULL);
+/* With a GPU per rank the floor is the link: the busiest rank's max(sent, received) rows over
+ * NVLink 4's 450 GB/s per direction. */
+static void link_floors(const bench_t *b, bench_result_t *res) {
+  const opts_t *o = &b->o;
+  double busiest = 0;
+  for (int r = 0; r < o->ranks; r++) {
+    const sizes_t *z = &b->size[r];
+    const double n = (double)(z->sent_remote > z->recv_remote ? z->sent_remote : z->recv_remote);
+    if (n > busiest) busiest = n;
+  }
+  const double sc = o->recv_dtype == EPX_FP8_E4M3 ? 4.0 * fp8_blocks(o->hidden) / o->hidden : 0.0;
+  res->nvlink_ms[PH_DISPATCH] = busiest * o->hidden * ((double)esize(o->recv_dtype) + sc) / 450e9 * 1e3;
+  res->nvlink_ms[PH_COMBINE] = busiest * o->hidden * (double)esize(o->x_dtype) / 450e9 * 1e3;
+}
+
+static void free_run(bench_t *b) {
+  for (int r = 0; r < b->o.ranks; r++) {
+    free(b->x[r]);
+    free(b->out[r]);
+    free(b->idx[r]);
+    free(b->w[r]);
+  }
+  free(b->stamp);
+  if (b->origin) b->dev->event_destroy(b->origin);
+  pthread_mutex_destroy(&b->lock);
+  pthread_cond_destroy(&b->cond);
+  epx_world_destroy(b->world);
+  free(b);
+}
+
+/* One measured run of the options: 0, or 1 after the failing ranks' messages on stderr. */
+static int run_once(const bench_env_t *env, const opts_t *o, bench_result_t *res) {
+  bench_t *b = calloc(1, sizeof *b);
+  b->o = *o;
+  b->dev = env->dev;
+  epx_world_config_t wc;
+  epx_world_config_init(&wc);
+  wc.backend = env->backend;
+  wc.nranks = o->ranks;
+  epx_status_t s = epx_world_create(&wc, &b->world);
+  if (s != EPX_SUCCESS) {
+    fprintf(stderr, "epx-bench: %s (%s)\n", epx_status_string(s), epx_last_error());
+    free(b);
+    return 1;
+  }
+  make_inputs(b);
+  count_sizes(b);
+  b->stamp = calloc((size_t)o->ranks * o->iters * (PH_COUNT + 1), sizeof(double));
+  pthread_mutex_init(&b->lock, NULL);
+  pthread_cond_init(&b->cond, NULL);
+  const int devices = b->dev->bind_rank(0, o->ranks);
+  b->shared_clock = devices == 1;
+  b->origin = b->dev->event_create();
+  b->started = b->last_progress = now();
+  epx_run_ranks(o->ranks, run_rank, b, NULL);
   int rc = 0;
   for (int r = 0; r < o->ranks; r++)
-    if (b.error[r][0]) {
-      fprintf(stderr, "rank %d: %s\n", r, b.error[r]);
-      rc = 1;
-    }
+    if (b->error[r][0]) fprintf(stderr, "rank %d: %s\n", r, b->error[r]), rc = 1;
   if (!rc) {
-    double memory[PH_COUNT], link[PH_COUNT];
-    phase_bytes(&b, memory, link);
-    printf("copy bandwidth (read + write): %.0f GB/s, the floor below\n", copy_bw * 1e-9);
-    printf("%-9s %10s %14s %10s %10s %8s\n", "phase", "time ms", "link bytes", "link GB/s", "floor ms", "of floor");
-    for (int ph = 0; ph < PH_COUNT; ph++) {
-      const double ms = phase_ms(&b, ph);
-      if (link[ph] > 0) {
-        const double floor_ms = memory[ph] / copy_bw * 1e3;
-        printf("%-9s %10.3f %14.0f %10.1f %10.3f %7.0f%%\n", phase_names[ph], ms, link[ph], link[ph] / ms * 1e-6,
-               floor_ms, 100.0 * floor_ms / ms);
-      } else {
-        printf("%-9s %10.3f %14s %10s %10s %8s\n", phase_names[ph], ms, "-", "-", "-", "-");
-      }
+    *res = (bench_result_t){.o = *o, .devices = devices, .shared_clock = b->shared_clock, .check = -1};
+    for (int ph = 0; ph < PH_COUNT; ph++) res->ms[ph] = phase_ms(b, ph);
+    phase_bytes(b, res->memory, res->link);
+    link_floors(b, res);
+    if (b->dev->sm_copy_bandwidth) { /* the reference kernel on as many SMs as the ranks of one device use */
+      const int per_device = (o->ranks + devices - 1) / devices;
+      res->sms_in_use = o->ranks * o->num_sms;
+      res->sm_copy_bw = b->dev->sm_copy_bandwidth(per_device * o->num_sms);
     }
-    printf("link bytes: rows that cross between ranks (a token crosses to a rank once); floor: bytes each phase\n"
-           "reads and writes in memory over the copy bandwidth; times: median over %d iterations, %s\n",
-           o->iters, b.shared_clock ? "from the last rank's start to the last rank's end" : "the slowest rank's own");
-    /* With a GPU per rank the floor is the link: the busiest rank's max(sent, received) over
-     * NVLink 4's 450 GB/s per direction. */
-    double busiest = 0;
-    for (int r = 0; r < o->ranks; r++) {
-      const double n = (double)(b.size[r].sent_remote > b.size[r].recv_remote ? b.size[r].sent_remote : b.size[r].recv_remote);
-      if (n > busiest) busiest = n;
+    if (o->check) {
+      if (now() - b->started > 3.0) fprintf(stderr, "epx-bench: checking against the dense reference\n");
+      res->check = check(b, res->check_detail, sizeof res->check_detail);
     }
-    const double dispatch_link = busiest * o->hidden * ((double)esize(o->recv_dtype) + (o->recv_dtype == EPX_FP8_E4M3 ? 4.0 * fp8_blocks(o->hidden) / o->hidden : 0.0));
-    const double combine_link = busiest * o->hidden * (double)esize(o->x_dtype);
-    printf("with a GPU per rank (NVLink 450 GB/s): dispatch floor %.3f ms, %.0f GB/s per GPU (%.0f%%); combine floor "
-           "%.3f ms, %.0f GB/s per GPU (%.0f%%)\n",
-           dispatch_link / 450e9 * 1e3, dispatch_link / (phase_ms(&b, PH_DISPATCH) * 1e-3) * 1e-9,
-           100.0 * dispatch_link / 450e9 * 1e3 / phase_ms(&b, PH_DISPATCH), combine_link / 450e9 * 1e3,
-           combine_link / (phase_ms(&b, PH_COMBINE) * 1e-3) * 1e-9,
-           100.0 * combine_link / 450e9 * 1e3 / phase_ms(&b, PH_COMBINE));
-    if (o->json) {
-      printf("{\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
-             "\"recv_dtype\":\"%s\",\"mode\":\"%s\",\"layout\":\"%s\",\"num_sms\":%d,\"seed\":%" PRIu64
-             ",\"copy_gbps\":%.1f",
-             epx_backend_name(epx_world_backend(b.world)), o->ranks, o->tokens, o->hidden, o->experts, o->topk,
-             epx_dtype_name(o->x_dtype), epx_dtype_name(o->recv_dtype), mode, layout, o->num_sms, o->seed,
-             copy_bw * 1e-9);
-      for (int ph = 0; ph < PH_COUNT; ph++)
-        printf(",\"%s_ms\":%.6f,\"%s_link_bytes\":%.0f,\"%s_floor_ms\":%.6f", phase_names[ph], phase_ms(&b, ph),
-               phase_names[ph], link[ph], phase_names[ph], memory[ph] / copy_bw * 1e3);
-      printf("}\n");
-    }
-    if (o->check) rc = check(&b);
   }
-  for (int r = 0; r < o->ranks; r++) {
-    free(b.x[r]);
-    free(b.out[r]);
-    free(b.idx[r]);
-    free(b.w[r]);
+  free_run(b);
+  return rc;
+}
+
+/* ---- driver ----------------------------------------------------------------------------- */
+
+static void quote_command(int argc, char **argv, char *out, size_t n) {
+  size_t len = 0;
+  out[0] = 0;
+  for (int i = 0; i < argc && len + 4 < n; i++) {
+    const char *a = argv[i];
+    const int plain = a[0] && strspn(a, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./=:,+-") == strlen(a);
+    len += (size_t)snprintf(out + len, n - len, plain ? "%s%s" : "%s'%s'", i ? " " : "", a);
+    if (len >= n) len = n - 1;
   }
-  free(b.stamp);
-  b.dev->event_destroy(b.origin);
-  epx_world_destroy(b.world);
+}
+
+/* The points of a sweep: SMs per rank 2, 4, .. 16, or tokens per rank 128, 256, .. up to
+ * --tokens. */
+static int sweep_points(const opts_t *o, opts_t *pts, int max) {
+  int n = 0;
+  if (o->sweep == SWEEP_SMS)
+    for (int sms = 2; sms <= 16 && n < max; sms += 2) pts[n] = *o, pts[n++].num_sms = sms;
+  else if (o->sweep == SWEEP_TOKENS)
+    for (int t = 128; t <= o->tokens && n < max; t *= 2) pts[n] = *o, pts[n++].tokens = t;
+  if (n == 0) pts[n++] = *o; /* no sweep, or --tokens below the first point */
+  return n;
+}
+
+static int setup_env(int argc, char **argv, const opts_t *o, bench_env_t *env) {
+  /* The benchmark starts CUDA itself (availability, the copy reference) before any world
+   * exists, so the world cannot set what ranks sharing a GPU need: set it here, as a program
+   * emulating a group on one GPU should, keeping values the user chose. */
+  if (o->backend != EPX_BACKEND_HOST) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  }
+  env->backend = o->backend;
+  if (env->backend == EPX_BACKEND_AUTO)
+    env->backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+  if (epx_backend_available(env->backend) != EPX_SUCCESS) {
+    fprintf(stderr, "epx-bench: the %s backend is not available: %s\n", epx_backend_name(env->backend), epx_last_error());
+    return 2;
+  }
+  if (bench_check_backend(o, env->backend)) return 2;
+  env->dev = &bench_host_dev;
+#ifdef EPX_BENCH_CUDA
+  if (env->backend == EPX_BACKEND_CUDA) env->dev = &bench_cuda_dev;
+#endif
+  if (env->backend == EPX_BACKEND_CUDA && env->dev == &bench_host_dev) {
+    fprintf(stderr, "epx-bench: this epx-bench was built without CUDA: use --backend host\n");
+    return 2;
+  }
+  quote_command(argc, argv, env->command, sizeof env->command);
+  char device[256] = "";
+  if (env->dev->describe) env->dev->describe(device, sizeof device);
+  bench_describe_machine(env, device);
+  env->copy_bw = env->dev->copy_bandwidth();
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  opts_t o;
+  const int pr = bench_parse(argc, argv, &o);
+  if (pr) return pr > 0 ? 0 : 2;
+  static bench_env_t env;
+  int rc = setup_env(argc, argv, &o, &env);
+  if (rc) return rc;
+  FILE *json = NULL, *table = o.json && !o.json_path ? stderr : stdout; /* stdout holds only JSON then */
+  if (o.json_path && !(json = fopen(o.json_path, "w"))) {
+    fprintf(stderr, "epx-bench: --json %s: cannot write it: %s\n", o.json_path, strerror(errno));
+    return 2;
+  }
+  enum { MAX_POINTS = 32 };
+  static opts_t pts[MAX_POINTS];
+  static bench_result_t res[MAX_POINTS];
+  const int n = sweep_points(&o, pts, MAX_POINTS);
+  int nres = 0; /* runs with figures: a mismatch has them (and fails the command), a failed run not */
+  for (int i = 0; i < n && !rc; i++) {
+    if (n > 1) fprintf(stderr, "epx-bench: sweep point %d of %d\n", i + 1, n);
+    bench_print_header(table, &env, &pts[i]);
+    if (run_once(&env, &pts[i], &res[nres])) {
+      rc = 1;
+      break;
+    }
+    bench_print_table(table, &env, &res[nres]);
+    if (res[nres++].check > 0) rc = 1;
+    if (n > 1 && i + 1 < n) fprintf(table, "\n");
+  }
+  if (o.json && nres) bench_write_json(json ? json : stdout, &env, res, nres);
+  if (json) fclose(json);
   return rc;
 }

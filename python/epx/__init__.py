@@ -21,39 +21,24 @@ Errors raise :class:`epx.Error` subclasses (see its docstring for the table), ea
 ``.status`` (a :class:`Status`: an int with a name) and ``.message``.
 """
 
-import os as _os
-
-# Ranks that share a GPU run kernels that wait on each other: no rank's stream may queue behind
-# another's in one hardware queue, so ask CUDA for as many queues as it has (the default is 8).
-# This takes effect only if CUDA has not started in this process yet (import epx before any CUDA
-# work); a value the user set is kept. libepx does the same when it starts CUDA itself.
-_os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-# Lazy module loading (torch asks for it when it starts CUDA) can make a kernel's first launch
-# wait for the device to go idle, which never happens while peer ranks' kernels wait on this
-# one: load eagerly unless the user chose.
-_os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
 from ._lib import Algo, Backend, DType, Layout as LayoutKind, Status, MAX_EXPERTS, MAX_HIDDEN, MAX_RANKS, MAX_TOPK
-from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound
-from .core import (
+from ._lib import FP8_BLOCK, UNIQUE_ID_BYTES, LibraryNotFound, LibraryVersionMismatch
+from .comm import Comm
+from .config import Config, backend_available, backend_unavailable_reason, library_path, status_string
+from .dtypes import bf16_bits_to_float32, dequantize_e4m3, e4m3_to_float32, float32_to_bf16_bits, quantize_e4m3
+from .errors import (
     BrokenCommError,
-    Comm,
     CommTimeoutError,
-    Config,
     ConfigMismatchError,
     CudaError,
     DeviceError,
-    DispatchResult,
     DTypeError,
     Error,
     ExpertOutOfRangeError,
     ExpertsNotDivisibleError,
-    Handle,
-    HandleInfo,
     HiddenRangeError,
     InternalError,
     InvalidArgumentError,
-    Layout,
     LowLatencyOverflowError,
     NullPointerError,
     OutOfMemoryError,
@@ -65,30 +50,20 @@ from .core import (
     TimeoutError_,
     TopkRangeError,
     UnsupportedError,
-    World,
-    backend_available,
-    backend_unavailable_reason,
-    bf16_bits_to_float32,
-    dequantize_e4m3,
-    e4m3_to_float32,
     error_class,
-    float32_to_bf16_bits,
-    get_unique_id,
-    library_path,
-    map_to_topk,
-    quantize_e4m3,
-    run_threads,
-    status_string,
-    topk_to_map,
 )
+from .handle import Handle
+from .results import DispatchResult, HandleInfo, Layout
+from .routing import map_to_topk, topk_to_map
+from .world import World, get_unique_id, run_threads
 
 from .layout import layout_counts
 
-__version__ = "0.1.0"
+from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx and CMake
 
 __all__ = [
     "Algo", "Backend", "DType", "LayoutKind", "Status", "MAX_EXPERTS", "MAX_HIDDEN", "MAX_RANKS", "MAX_TOPK",
-    "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound",
+    "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound", "LibraryVersionMismatch",
     "World", "Comm", "Handle", "Config", "HandleInfo", "Layout", "DispatchResult",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "NullPointerError",
     "ExpertOutOfRangeError", "ExpertsNotDivisibleError", "TopkRangeError", "HiddenRangeError",

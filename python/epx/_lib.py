@@ -35,16 +35,31 @@ from ctypes import (
     c_size_t,
     c_uint8,
     c_uint16,
+    c_uint32,
     c_void_p,
 )
 from pathlib import Path
 
-# ---- constants (epx.h) ------------------------------------------------------------------
+# ---- version ----------------------------------------------------------------------------
 
-VERSION_MAJOR = 0
-VERSION_MINOR = 1
-VERSION_PATCH = 0
+
+def _read_version() -> str:
+    """The package's version: the file VERSION, the one version source of C, CMake and Python.
+    An installed package has it at epx/VERSION (CMake installs it there), a checkout at its root.
+    A copy of the package with neither is "unknown", and will accept no library."""
+    here = Path(__file__).resolve().parent
+    for f in (here / "VERSION", here.parent.parent / "VERSION"):
+        if f.is_file():
+            return f.read_text().strip()
+    return "unknown"
+
+
+PACKAGE_VERSION = _read_version()
+VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH = (
+    tuple(int(p) for p in PACKAGE_VERSION.split(".")[:3]) if PACKAGE_VERSION != "unknown" else (0, 0, 0))
 VERSION_CODE = VERSION_MAJOR * 10000 + VERSION_MINOR * 100 + VERSION_PATCH
+
+# ---- constants (epx.h) ------------------------------------------------------------------
 
 MAX_RANKS = 64
 MAX_TOPK = 32
@@ -76,6 +91,7 @@ class Status(enum.IntEnum):
     CUDA = 16
     BROKEN = 17
     INTERNAL = 18
+    OUT_OF_STEP = 19
 
     @property
     def c_name(self) -> str:
@@ -83,7 +99,7 @@ class Status(enum.IntEnum):
         return "EPX_SUCCESS" if self == Status.SUCCESS else "EPX_ERR_" + self.name
 
 
-NUM_STATUS = 19
+NUM_STATUS = 20
 
 
 class DType(enum.IntEnum):
@@ -127,9 +143,14 @@ class Layout(enum.IntEnum):
 # C enums are ints on every ABI epx supports.
 c_enum = c_int
 
+# The head of every struct the caller fills (epx.h, "A stable ABI"): its size and the epx.h
+# version it was set up from, both written by the struct's epx_*_init and checked by libepx.
+_STRUCT_HEAD = [("struct_size", c_uint32), ("struct_version", c_uint32)]
+
 
 class WorldConfig(Structure):
     _fields_ = [
+        *_STRUCT_HEAD,
         ("backend", c_enum),
         ("nranks", c_int),
         ("devices", POINTER(c_int)),
@@ -142,6 +163,7 @@ class UniqueId(Structure):
 
 class Config(Structure):
     _fields_ = [
+        *_STRUCT_HEAD,
         ("num_experts", c_int),
         ("hidden", c_int),
         ("topk", c_int),
@@ -164,6 +186,7 @@ class Routing(Structure):
 
 class HandleConfig(Structure):
     _fields_ = [
+        *_STRUCT_HEAD,
         ("algo", c_enum),
         ("layout", c_enum),
         ("align", c_int),
@@ -179,12 +202,12 @@ class HandleInfo(Structure):
         ("num_recv_rows", c_int64),
         ("num_recv_pairs", c_int64),
         ("num_sent_copies", c_int64),
-        ("num_dropped_pairs", c_int64),
     ]
 
 
 class DispatchArgs(Structure):
     _fields_ = [
+        *_STRUCT_HEAD,
         ("x", c_void_p),
         ("x_dtype", c_enum),
         ("recv_dtype", c_enum),
@@ -204,6 +227,7 @@ class DispatchArgs(Structure):
 
 class CombineArgs(Structure):
     _fields_ = [
+        *_STRUCT_HEAD,
         ("y", c_void_p),
         ("y_dtype", c_enum),
         ("out", c_void_p),
@@ -224,6 +248,7 @@ RANK_FN = CFUNCTYPE(c_enum, c_int, c_void_p)
 # name: (restype, argtypes). Opaque objects are void pointers.
 _P = c_void_p
 _FUNCTIONS = {
+    "epx_get_version": (c_int, []),
     "epx_status_string": (c_char_p, [c_enum]),
     "epx_last_error": (c_char_p, []),
     "epx_dtype_size": (c_size_t, [c_enum]),
@@ -268,7 +293,7 @@ _FUNCTIONS = {
 }
 
 # Declared in epx.h but possibly missing from an older or partial build: bound when present,
-# else calling them raises an UnsupportedError (see core.py).
+# else calling them raises an UnsupportedError (see world.py).
 OPTIONAL = frozenset({"epx_get_unique_id", "epx_world_create_rank", "epx_world_create_rank_with",
                       "epx_comm_synchronize"})
 
@@ -296,12 +321,38 @@ class LibraryNotFound(OSError):
     pass
 
 
+class LibraryVersionMismatch(OSError):
+    """The libepx found is of another version than this package: its structs may differ."""
+
+
+def _version_name(code: int) -> str:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def check_library_version(dll, path: str) -> None:
+    """Refuses a libepx of another version than the package's (the file VERSION)."""
+    how = (f"rebuild it from this checkout (`make build`), reinstall the package (`pip install .`), or point "
+           f"EPX_LIBRARY at a libepx {PACKAGE_VERSION}")
+    try:
+        fn = dll.epx_get_version
+    except AttributeError:
+        raise LibraryVersionMismatch(
+            f"{path} has no epx_get_version: it is older than this epx package ({PACKAGE_VERSION}); {how}") from None
+    fn.restype, fn.argtypes = c_int, []
+    code = fn()
+    if code != VERSION_CODE or PACKAGE_VERSION == "unknown":
+        raise LibraryVersionMismatch(
+            f"{path} is libepx {_version_name(code)}, but this epx package is {PACKAGE_VERSION}: the two must be "
+            f"of one version (their structs may differ); {how}")
+
+
 class _Lib:
     """The loaded library: ``lib.epx_xxx`` are the typed ctypes functions."""
 
     def __init__(self, path: Path):
         self.path = str(path)
         self.dll = ctypes.CDLL(self.path)
+        check_library_version(self.dll, self.path)
         self.missing = set()
         for name, (restype, argtypes) in _FUNCTIONS.items():
             try:

@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import DType
-from .core import _arg_error, _check
+from .errors import _arg_error, _check
 
 
 def layout_counts(topk_idx, *, nranks: int, num_experts: int):

@@ -7,6 +7,34 @@
 
 #include "core/internal.h"
 
+/* ---- version and the structs callers fill (epx.h: "A stable ABI") ----------------------- */
+
+int epx_get_version(void) { return EPX_VERSION_CODE; }
+
+typedef struct {
+  uint32_t size, version;
+} struct_head_t;
+
+#define EPX_STRUCT_HEAD(p) ((p)->struct_size = (uint32_t)sizeof *(p), (p)->struct_version = EPX_VERSION_CODE)
+
+/* A struct of another size, or from an epx.h of another major.minor release, is refused
+ * before any of its other fields is read. */
+static epx_status_t check_struct(const void *p, size_t size, const char *type, const char *init, const char *fn) {
+  struct_head_t h;
+  memcpy(&h, p, sizeof h);
+  if (h.size == size && h.version / 100 == EPX_VERSION_CODE / 100) return EPX_SUCCESS;
+  if (h.size == 0)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the %s has struct_size 0: set it up with %s, then set its fields",
+                     fn, type, init);
+  return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                   "%s: the %s is %u bytes from epx.h version %u.%u.%u, but this libepx (version %d.%d.%d) takes "
+                   "%zu bytes from its own: build the program against this library's epx.h and set the struct "
+                   "up with %s",
+                   fn, type, h.size, h.version / 10000, h.version / 100 % 100, h.version % 100, EPX_VERSION_MAJOR,
+                   EPX_VERSION_MINOR, EPX_VERSION_PATCH, size, init);
+}
+#define EPX_CHECK_STRUCT(p, type, init, fn) check_struct((p), sizeof(type), #type, #init, (fn))
+
 /* ---- backends ------------------------------------------------------------------------- */
 
 const char *epx_backend_name(epx_backend_t backend) {
@@ -43,6 +71,7 @@ static const epxi_backend_t *backend_ops(epx_backend_t backend) {
 
 void epx_world_config_init(epx_world_config_t *wc) {
   memset(wc, 0, sizeof *wc);
+  EPX_STRUCT_HEAD(wc);
   wc->backend = EPX_BACKEND_AUTO;
   wc->nranks = 1;
 }
@@ -53,6 +82,9 @@ void epx_world_config_init(epx_world_config_t *wc) {
 static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int num_local, epxi_exchange_fn exchange,
                                void *ctx, epx_world_t **world) {
   epx_backend_t backend = wc->backend;
+#ifdef EPX_HAVE_CUDA
+  if (backend != EPX_BACKEND_HOST) epxi_cuda_world_env(wc, first_rank, num_local); /* before CUDA starts */
+#endif
   if (backend == EPX_BACKEND_AUTO)
     backend = epx_backend_available(EPX_BACKEND_CUDA) == EPX_SUCCESS ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
   EPX_CHECK(epx_backend_available(backend));
@@ -83,6 +115,7 @@ static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int
 epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world) {
   epxi_clear_error();
   if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_world_create: config and world are required");
+  EPX_CHECK(EPX_CHECK_STRUCT(wc, epx_world_config_t, epx_world_config_init, "epx_world_create"));
   if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", wc->nranks, EPX_MAX_RANKS);
   return world_make(wc, 0, wc->nranks, NULL, NULL, world);
@@ -116,6 +149,7 @@ static epx_status_t user_exchange(const void *mine, void *all, size_t bytes, voi
 static epx_status_t check_rank_args(const epx_world_config_t *wc, int rank, epx_world_t **world, const char *fn) {
   if (!wc || !world) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: config and world are required", fn);
   *world = NULL;
+  EPX_CHECK(EPX_CHECK_STRUCT(wc, epx_world_config_t, epx_world_config_init, fn));
   if (wc->nranks < 1 || wc->nranks > EPX_MAX_RANKS)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: nranks %d outside [1, %d]", fn, wc->nranks, EPX_MAX_RANKS);
   if (rank < 0 || rank >= wc->nranks)
@@ -151,6 +185,7 @@ epx_backend_t epx_world_backend(const epx_world_t *world) { return world ? world
 
 void epx_config_init(epx_config_t *cfg) {
   memset(cfg, 0, sizeof *cfg);
+  EPX_STRUCT_HEAD(cfg);
   cfg->num_experts = 256;
   cfg->hidden = 7168;
   cfg->topk = 8;
@@ -160,6 +195,7 @@ void epx_config_init(epx_config_t *cfg) {
 }
 
 static epx_status_t check_config(const epx_config_t *c, int nranks) {
+  EPX_CHECK(EPX_CHECK_STRUCT(c, epx_config_t, epx_config_init, "epx_comm_init"));
   if (c->topk < 1 || c->topk > EPX_MAX_TOPK)
     return epxi_fail(EPX_ERR_TOPK_RANGE, "config.topk %d outside [1, %d]", c->topk, EPX_MAX_TOPK);
   if (c->hidden < 1 || c->hidden > EPX_MAX_HIDDEN)
@@ -187,6 +223,7 @@ typedef struct {
 #define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(num_sms)
 
 static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int rank) {
+  if (votes[rank].status != EPX_SUCCESS) return votes[rank].status; /* its own message stands */
   for (int r = 0; r < nranks; r++)
     if (votes[r].status != EPX_SUCCESS)
       return r == rank ? votes[r].status
@@ -273,7 +310,10 @@ epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream) {
 /* Marks the comm broken when the group failed under the call. */
 static epx_status_t collective_result(epx_comm_t *comm, epx_status_t s) {
   /* a CUDA call that failed mid-operation left the peers waiting for the rest of it */
-  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN || s == EPX_ERR_CUDA) comm->broken = true;
+  /* ranks out of step would pair every later call wrongly too */
+  if (s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST || s == EPX_ERR_BROKEN || s == EPX_ERR_CUDA ||
+      s == EPX_ERR_OUT_OF_STEP)
+    comm->broken = true;
   return s;
 }
 
@@ -358,6 +398,7 @@ epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int3
 
 void epx_handle_config_init(epx_handle_config_t *hc) {
   memset(hc, 0, sizeof *hc);
+  EPX_STRUCT_HEAD(hc);
   hc->algo = EPX_ALGO_HT;
   hc->layout = EPX_LAYOUT_TOKEN;
   hc->align = 1;
@@ -366,8 +407,12 @@ void epx_handle_config_init(epx_handle_config_t *hc) {
 
 epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle) {
   epxi_clear_error();
-  if (!comm || !hc || !handle)
-    return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm, config and handle are required");
+  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm is NULL");
+  /* counted even when it fails, so the ranks' numbers stay equal as long as they make the
+   * same calls */
+  const uint64_t id = ++comm->handles_made;
+  if (!hc || !handle) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: config and handle are required");
+  EPX_CHECK(EPX_CHECK_STRUCT(hc, epx_handle_config_t, epx_handle_config_init, "epx_handle_create"));
   if (hc->algo != EPX_ALGO_HT && hc->algo != EPX_ALGO_LL && hc->algo != EPX_ALGO_ALLTOALL)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown algorithm %d", (int)hc->algo);
   if (hc->layout != EPX_LAYOUT_TOKEN && hc->layout != EPX_LAYOUT_EXPERT)
@@ -383,6 +428,7 @@ epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, 
   epx_handle_t *h = calloc(1, sizeof *h);
   if (!h) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "handle");
   h->comm = comm;
+  h->id = id;
   h->hc = *hc;
   if (hc->algo == EPX_ALGO_LL) {
     h->hc.layout = EPX_LAYOUT_EXPERT;
@@ -414,12 +460,28 @@ static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, b
   return EPX_SUCCESS;
 }
 
-/* A bad argument found on one rank still takes part in the operation, carrying its status,
- * so every rank fails with it at once instead of waiting out the timeout for this one. */
-static epx_status_t fail_collective(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t bad) {
+/* Opens a collective call on a usable comm: numbers it and stamps it (call.c) for the
+ * backend's first exchange. A handle of another comm counts as none. */
+static void begin_call(epx_comm_t *comm, epxi_op_t op, const epx_handle_t *handle) {
+  comm->calls++;
+  comm->stamp = epxi_stamp_make(op, comm->calls, handle && handle->comm == comm ? handle : NULL);
+}
+
+/* Why a rank refuses a call: its arguments, or the handle / SEND-COMPLETE order. */
+typedef enum { REFUSED_ARGS, REFUSED_HANDLE_OR_ORDER } refusal_t;
+
+/* A rank that refuses a call still takes part in it, carrying its status, so every rank
+ * fails with it at once instead of waiting out the timeout for this one. A backend that does
+ * not stamp its exchanges can only do that with the call's own valid handle. */
+static epx_status_t fail_collective(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t bad,
+                                    refusal_t why) {
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", epx_last_error());
-  if (comm->world->ops->abort) collective_result(comm, comm->world->ops->abort(comm, handle, op, bad));
+  const epxi_backend_t *ops = comm->world->ops;
+  if (ops->abort && (ops->stamped || why == REFUSED_ARGS)) {
+    comm->stamp.status = (int16_t)bad;
+    collective_result(comm, ops->abort(comm, handle && handle->comm == comm ? handle : NULL, op, bad));
+  }
   return epxi_fail(bad, "%s", msg);
 }
 
@@ -429,7 +491,7 @@ static epx_status_t plan(epx_comm_t *comm, epx_handle_t *handle, const epx_routi
   handle->planned = false;
   epx_status_t bad = epxi_check_routing_form(routing);
   if (bad != EPX_SUCCESS)
-    return fail_collective(comm, handle, dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, bad);
+    return fail_collective(comm, handle, dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, bad, REFUSED_ARGS);
   handle->dispatch_follows = dispatch_follows;
   epx_status_t s = collective_result(comm, comm->world->ops->notify(comm, handle, routing));
   handle->dispatch_follows = false;
@@ -440,8 +502,10 @@ static epx_status_t plan(epx_comm_t *comm, epx_handle_t *handle, const epx_routi
 epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_notify"));
-  EPX_CHECK(check_handle(comm, handle, false, "epx_notify"));
-  EPX_CHECK(check_order(comm, handle, false, EPX_PART_ALL, "epx_notify"));
+  begin_call(comm, EPXI_OP_NOTIFY, handle);
+  epx_status_t bad = check_handle(comm, handle, false, "epx_notify");
+  if (bad == EPX_SUCCESS) bad = check_order(comm, handle, false, EPX_PART_ALL, "epx_notify");
+  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_NOTIFY, bad, REFUSED_HANDLE_OR_ORDER);
   return plan(comm, handle, routing, false);
 }
 
@@ -474,12 +538,14 @@ static bool is_float_type(epx_dtype_t t) { return t == EPX_FLOAT32 || t == EPX_B
 
 void epx_dispatch_args_init(epx_dispatch_args_t *args) {
   memset(args, 0, sizeof *args);
+  EPX_STRUCT_HEAD(args);
   args->x_dtype = EPX_BFLOAT16;
   args->recv_dtype = EPX_BFLOAT16;
 }
 
 static epx_status_t check_dispatch_args(const epx_comm_t *comm, const epx_dispatch_args_t *args) {
   if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: args is NULL");
+  EPX_CHECK(EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch"));
   if (!is_float_type(args->x_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch x_dtype must be float32 or bfloat16, not %s",
                      epx_dtype_name(args->x_dtype));
@@ -502,12 +568,26 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
                           const epx_dispatch_args_t *args) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_dispatch"));
-  EPX_CHECK(check_handle(comm, handle, false, "epx_dispatch"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
-  EPX_CHECK(check_order(comm, handle, false, part, "epx_dispatch"));
+  const epxi_op_t op = routing && part != EPX_PART_COMPLETE ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH;
+  begin_call(comm, op, handle);
+  epxi_stamp_dispatch(&comm->stamp, args);
+  /* other parts check the struct with the rest of the arguments; a refusal still takes part */
+  epx_status_t refused = part == EPX_PART_COMPLETE
+                             ? EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch")
+                             : EPX_SUCCESS;
+  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, false, "epx_dispatch");
+  if (refused == EPX_SUCCESS) refused = check_order(comm, handle, false, part, "epx_dispatch");
+  if (refused != EPX_SUCCESS) return fail_collective(comm, handle, op, refused, REFUSED_HANDLE_OR_ORDER);
   if (part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
-    if (routing)
-      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_dispatch: the COMPLETE half takes no routing (SEND planned)");
+    if (routing) {
+      /* taking part, it ends its SEND as the peers' COMPLETE ends theirs */
+      if (comm->world->ops->stamped) comm->pending = NULL;
+      return fail_collective(comm, handle, op,
+                             epxi_fail(EPX_ERR_INVALID_ARGUMENT,
+                                       "epx_dispatch: the COMPLETE half takes no routing (SEND planned)"),
+                             REFUSED_HANDLE_OR_ORDER);
+    }
     return track_order(comm, handle, false, part, collective_result(comm, comm->world->ops->dispatch(comm, handle, args)));
   }
   epx_status_t bad = check_dispatch_args(comm, args);
@@ -516,7 +596,7 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
   if (bad == EPX_SUCCESS && routing) bad = epxi_check_routing_form(routing);
   if (bad != EPX_SUCCESS) {
     if (routing) handle->planned = false;
-    return fail_collective(comm, handle, routing ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH, bad);
+    return fail_collective(comm, handle, op, bad, REFUSED_ARGS);
   }
   if (routing) EPX_CHECK(plan(comm, handle, routing, true));
   return track_order(comm, handle, false, part, collective_result(comm, comm->world->ops->dispatch(comm, handle, args)));
@@ -524,6 +604,7 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
 
 void epx_combine_args_init(epx_combine_args_t *args) {
   memset(args, 0, sizeof *args);
+  EPX_STRUCT_HEAD(args);
   args->y_dtype = EPX_BFLOAT16;
   args->out_dtype = EPX_BFLOAT16;
   args->weighted = 1;
@@ -531,6 +612,7 @@ void epx_combine_args_init(epx_combine_args_t *args) {
 
 static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine_args_t *args) {
   if (!args) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: args is NULL");
+  EPX_CHECK(EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine"));
   if (!is_float_type(args->y_dtype) || !is_float_type(args->out_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine y_dtype and out_dtype must be float32 or bfloat16 (got %s, %s)",
                      epx_dtype_name(args->y_dtype), epx_dtype_name(args->out_dtype));
@@ -546,15 +628,22 @@ static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine
 epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
   epxi_clear_error();
   EPX_CHECK(check_comm(comm, "epx_combine"));
-  EPX_CHECK(check_handle(comm, handle, false, "epx_combine"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
-  EPX_CHECK(check_order(comm, handle, true, part, "epx_combine"));
+  begin_call(comm, EPXI_OP_COMBINE, handle);
+  epxi_stamp_combine(&comm->stamp, args);
+  /* other parts check the struct with the rest of the arguments; a refusal still takes part */
+  epx_status_t refused = part == EPX_PART_COMPLETE
+                             ? EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine")
+                             : EPX_SUCCESS;
+  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, false, "epx_combine");
+  if (refused == EPX_SUCCESS) refused = check_order(comm, handle, true, part, "epx_combine");
+  if (refused != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, refused, REFUSED_HANDLE_OR_ORDER);
   if (part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
     return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
   epx_status_t bad = check_combine_args(comm, args);
   if (bad == EPX_SUCCESS && !handle->planned)
     bad = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_combine: the handle has no plan yet (call epx_notify or dispatch)");
-  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad);
+  if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, bad, REFUSED_ARGS);
   return track_order(comm, handle, true, part, collective_result(comm, comm->world->ops->combine(comm, handle, args)));
 }
 

@@ -48,6 +48,8 @@ uint16_t epx_float_to_bf16(float x) {
   return (uint16_t)(u >> 16);
 }
 
+/* Widening is exact and keeps the bits (a NaN's payload too, as the GPU's does): it never
+ * makes an output by itself, only feeds arithmetic, whose NaNs are canonical. */
 float epx_bf16_to_float(uint16_t x) { return bits_float((uint32_t)x << 16); }
 
 /* e4m3 "fn": bias 7, no infinities, 0x7f / 0xff are NaN, largest finite 448, smallest
@@ -75,7 +77,7 @@ uint8_t epx_float_to_e4m3(float x) {
 
 float epx_e4m3_to_float(uint8_t x) {
   int exp = (x >> 3) & 15, m = x & 7;
-  if ((x & 0x7f) == 0x7f) return NAN;
+  if ((x & 0x7f) == 0x7f) return bits_float(0x7fffffffu); /* the canonical NaN */
   float v = exp == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), exp - 10);
   return (x & 0x80) ? -v : v;
 }

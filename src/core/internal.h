@@ -26,7 +26,7 @@ void epxi_log(epxi_log_level_t level, const char *fmt, ...) __attribute__((forma
 typedef struct {
   int timeout_ms;        /* EPX_TIMEOUT_MS, default 30000 */
   int num_sms;           /* EPX_NUM_SMS, default 16 */
-  int ipc_arena_mb;      /* EPX_IPC_ARENA_MB: the CUDA backend's cross-process arena; 0 = from the config */
+  int arena_mb;          /* EPX_ARENA_MB (old name EPX_IPC_ARENA_MB): a CUDA comm's arena; 0 = from the config */
   epxi_log_level_t log;  /* EPX_DEBUG=WARN|INFO */
 } epxi_env_t;
 const epxi_env_t *epxi_env(void);
@@ -121,6 +121,57 @@ void *epxi_group_common(epxi_group_t *group, size_t *bytes);
  * Does not wait. */
 bool epxi_group_peer_lost(const epxi_group_t *group, int rank);
 
+/* ---- the stamp of a collective call (call.c) ------------------------------------------ */
+
+/* The collective calls (also what a rank that takes part only to fail names). */
+typedef enum { EPXI_OP_NOTIFY, EPXI_OP_DISPATCH, EPXI_OP_NOTIFY_DISPATCH, EPXI_OP_COMBINE } epxi_op_t;
+const char *epxi_op_name(epxi_op_t op);
+
+struct epx_handle;
+/* What every rank carries into the first exchange of a collective call: four 64-bit words,
+ * compared whole, so that a call pairs only with the same call of every peer.
+ *   call       the comm's call number (1, 2, ...), counted alike on every rank
+ *   handle     the handle's creation number on the comm (0: the call has no valid handle)
+ *   op         epxi_op_t;  status: this rank's verdict on its own arguments (an epx_status_t)
+ *              (call: word 0; handle, op, status: word 1, in that order, little-endian)
+ *   digest[0]  the handle's settings, packed: align, algo, layout, exact
+ *   digest[1]  the call's own arguments, packed: part, every dtype of the call, weighted,
+ *              scale_by_probs, which optional inputs and outputs are present
+ * The digest words are packings, not hashes: equal words mean equal fields, and a
+ * difference can be decoded to name the field. What stays local to a rank is left out (the
+ * routing's form and id dtype, whether its weights are given: they are normalised before
+ * anything crosses; x, y and out pointers, which may be NULL on a rank with no rows). */
+typedef struct {
+  uint64_t call;
+  uint32_t handle; /* the low 32 bits of the creation number */
+  uint16_t op;
+  int16_t status;
+  uint64_t digest[2];
+} epxi_stamp_t;
+_Static_assert(sizeof(epxi_stamp_t) == 32, "four 64-bit words");
+
+/* The stamp of `op`, call number `call`, on `handle` (NULL: none): settings packed, no
+ * arguments yet. */
+epxi_stamp_t epxi_stamp_make(epxi_op_t op, uint64_t call, const struct epx_handle *handle);
+/* Adds the call's arguments (NULL: none). */
+void epxi_stamp_dispatch(epxi_stamp_t *s, const epx_dispatch_args_t *args);
+void epxi_stamp_combine(epxi_stamp_t *s, const epx_combine_args_t *args);
+/* Compares the stamps every rank carried (all[r] is rank r's), the same way on every rank:
+ * first a rank that refused its arguments (its status for every rank; it keeps its own
+ * message), then operation, call number and handle (EPX_ERR_OUT_OF_STEP), then the digest
+ * (EPX_ERR_CONFIG_MISMATCH naming the field). `me` is the calling rank, `phase` names the
+ * exchange in messages. */
+epx_status_t epxi_stamp_compare(const epxi_stamp_t *all, int nranks, int me, const char *phase);
+/* The name of the field that holds bit `bit` (0..63) of digest word `word` (0, 1): for a
+ * backend that compares the digest words on the device and reports the lowest differing bit
+ * (__ffsll of the XOR). */
+const char *epxi_stamp_field(int word, int bit);
+
+/* ---- checked sizes -------------------------------------------------------------------- */
+
+/* a * b, or false when it does not fit an int64_t (inputs >= 0). */
+static inline bool epxi_mul_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+
 /* ---- objects --------------------------------------------------------------------------- */
 
 typedef struct epxi_backend epxi_backend_t;
@@ -147,6 +198,9 @@ struct epx_comm {
    * (its exchange would pair with the peers' COMPLETE) */
   const struct epx_handle *pending;
   bool pending_combine;
+  uint64_t calls;        /* collective calls made on the comm (epx_notify, epx_dispatch, epx_combine) */
+  uint64_t handles_made; /* epx_handle_create calls on the comm, failed ones included */
+  epxi_stamp_t stamp;    /* the current call's, for the backend's first exchange */
   void *impl;            /* backend's per-comm state */
 };
 
@@ -160,14 +214,13 @@ typedef struct {
 
 struct epx_handle {
   epx_comm_t *comm;
+  uint64_t id;           /* its creation number on the comm (from 1): the same on every rank */
   epx_handle_config_t hc;
   bool planned;
   bool dispatch_follows; /* during a notify made by epx_dispatch: a failing rank aborts both */
   void *impl;            /* backend's per-handle state */
 };
 
-/* The collective calls, for a rank that takes part only to fail. */
-typedef enum { EPXI_OP_NOTIFY, EPXI_OP_DISPATCH, EPXI_OP_NOTIFY_DISPATCH, EPXI_OP_COMBINE } epxi_op_t;
 
 /* What a backend implements. The core validates arguments first; a backend only checks
  * what needs its memory (contents of device arrays). */
@@ -199,6 +252,10 @@ struct epxi_backend {
    *   recv_budget  implements the expert layout's receive budget (epx_handle_config_t) */
   bool wide_topk;
   bool recv_budget;
+  /* Whether the backend carries comm->stamp in every call's first exchange and its abort
+   * takes part with any handle (NULL, another comm's) and in any part (a lone COMPLETE).
+   * Without it the core keeps refusing those calls without taking part. */
+  bool stamped;
 };
 
 /* The top-k every backend takes: the CUDA kernels have been run up to this width. */
@@ -208,6 +265,9 @@ extern const epxi_backend_t epxi_host_backend;
 #ifdef EPX_HAVE_CUDA
 extern const epxi_backend_t epxi_cuda_backend;
 epx_status_t epxi_cuda_available(void);
+/* Before a world of ranks [first_rank, first_rank + num_local) is made: the environment that
+ * ranks of one process sharing a GPU need, set if they would (cuda/env.c). */
+void epxi_cuda_world_env(const epx_world_config_t *wc, int first_rank, int num_local);
 #endif
 
 /* ---- routing (routing.c) --------------------------------------------------------------- */

@@ -42,12 +42,25 @@ void epxi_count_layout(const epxi_topk_t *t, int nranks, int num_local, int32_t 
   }
 }
 
-epx_status_t epx_map_to_topk(int64_t num_tokens, int num_experts, int topk, const uint8_t *routing_map,
-                             const float *probs, int32_t *topk_idx, float *topk_weights) {
-  if (num_tokens < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld < 0", (long long)num_tokens);
+/* The shape checks of the host conversions: [T, E] and [T, K] arrays must be addressable. */
+static epx_status_t check_converter_shape(int64_t num_tokens, int num_experts, int topk) {
+  if (num_tokens < 0 || num_tokens > EPX_MAX_TOKENS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld outside [0, EPX_MAX_TOKENS = %lld]",
+                     (long long)num_tokens, (long long)EPX_MAX_TOKENS);
   if (topk < 1 || topk > EPX_MAX_TOPK)
     return epxi_fail(EPX_ERR_TOPK_RANGE, "topk %d outside [1, %d]", topk, EPX_MAX_TOPK);
   if (num_experts < 1) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_experts %d < 1", num_experts);
+  int64_t bytes;
+  if (!epxi_mul_i64(num_tokens, (int64_t)num_experts * (int64_t)sizeof(float), &bytes) ||
+      !epxi_mul_i64(num_tokens, (int64_t)topk * (int64_t)sizeof(int64_t), &bytes) || (uint64_t)bytes > SIZE_MAX / 2)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld with %d experts and topk %d: the arrays' sizes overflow",
+                     (long long)num_tokens, num_experts, topk);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_map_to_topk(int64_t num_tokens, int num_experts, int topk, const uint8_t *routing_map,
+                             const float *probs, int32_t *topk_idx, float *topk_weights) {
+  EPX_CHECK(check_converter_shape(num_tokens, num_experts, topk));
   if (num_tokens > 0 && (!routing_map || !topk_idx))
     return epxi_fail(EPX_ERR_NULL_POINTER, "map_to_topk: routing_map and topk_idx are required");
   for (int64_t t = 0; t < num_tokens; t++) {
@@ -72,10 +85,7 @@ epx_status_t epx_map_to_topk(int64_t num_tokens, int num_experts, int topk, cons
 
 epx_status_t epx_topk_to_map(int64_t num_tokens, int num_experts, int topk, epx_dtype_t idx_dtype,
                              const void *topk_idx, const float *topk_weights, uint8_t *routing_map, float *probs) {
-  if (num_tokens < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld < 0", (long long)num_tokens);
-  if (topk < 1 || topk > EPX_MAX_TOPK)
-    return epxi_fail(EPX_ERR_TOPK_RANGE, "topk %d outside [1, %d]", topk, EPX_MAX_TOPK);
-  if (num_experts < 1) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_experts %d < 1", num_experts);
+  EPX_CHECK(check_converter_shape(num_tokens, num_experts, topk));
   if (idx_dtype != EPX_INT32 && idx_dtype != EPX_INT64)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "topk ids must be int32 or int64, not %s", epx_dtype_name(idx_dtype));
   if (num_tokens > 0 && (!topk_idx || !routing_map))
@@ -103,8 +113,9 @@ epx_status_t epx_topk_to_map(int64_t num_tokens, int num_experts, int topk, epx_
 
 epx_status_t epxi_check_routing_form(const epx_routing_t *routing) {
   if (!routing) return epxi_fail(EPX_ERR_NULL_POINTER, "routing is NULL");
-  if (routing->num_tokens < 0)
-    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "routing.num_tokens %lld < 0", (long long)routing->num_tokens);
+  if (routing->num_tokens < 0 || routing->num_tokens > EPX_MAX_TOKENS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "routing.num_tokens %lld outside [0, EPX_MAX_TOKENS = %lld]",
+                     (long long)routing->num_tokens, (long long)EPX_MAX_TOKENS);
   if (routing->num_tokens > 0 && !routing->topk_idx && !routing->routing_map)
     return epxi_fail(EPX_ERR_NULL_POINTER, "routing has neither topk_idx nor routing_map");
   if (routing->topk_idx && routing->idx_dtype != EPX_INT32 && routing->idx_dtype != EPX_INT64)

@@ -28,6 +28,7 @@ static const char *const status_strings[EPX_NUM_STATUS] = {
     [EPX_ERR_CUDA] = "EPX_ERR_CUDA: a CUDA call failed",
     [EPX_ERR_BROKEN] = "EPX_ERR_BROKEN: the comm is unusable after an earlier failure of the group",
     [EPX_ERR_INTERNAL] = "EPX_ERR_INTERNAL: internal error",
+    [EPX_ERR_OUT_OF_STEP] = "EPX_ERR_OUT_OF_STEP: the ranks are in different collective calls",
 };
 
 const char *epx_status_string(epx_status_t status) {
@@ -70,7 +71,7 @@ static int env_int(const char *name, int fallback, int lo, int hi) {
 static void env_read(void) {
   env.timeout_ms = env_int("EPX_TIMEOUT_MS", 30000, 1, 86400000);
   env.num_sms = env_int("EPX_NUM_SMS", 16, 1, 1024);
-  env.ipc_arena_mb = env_int("EPX_IPC_ARENA_MB", 0, 0, 1 << 22);
+  env.arena_mb = env_int("EPX_ARENA_MB", env_int("EPX_IPC_ARENA_MB", 0, 0, 1 << 22), 0, 1 << 22);
   const char *d = getenv("EPX_DEBUG");
   env.log = EPXI_LOG_NONE;
   if (d && !strcasecmp(d, "WARN")) env.log = EPXI_LOG_WARN;

@@ -80,8 +80,8 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
 }
 
 /* The destination pulls each source's chunk whole: into recv_x directly (token layout, whose
- * order the chunks already have) or into the staging buffer (expert layout). The exchange
- * published each source's send_x, send_scales, send_token, send_weight as words 1 to 4. */
+ * order the chunks already have) or into the staging buffer (expert layout), from
+ * the send buffers each source published. */
 static __global__ void __launch_bounds__(EPXC_THREADS) gather_kernel(epxc_shape_t s, epxc_group_t g,
                                                                     const epxc_plan_t *plan, epxc_a2a_t b,
                                                                     epxc_dispatch_t a) {
@@ -98,12 +98,17 @@ static __global__ void __launch_bounds__(EPXC_THREADS) gather_kernel(epxc_shape_
     const int64_t at = s.expert_layout ? staged : plan->tok_base[src_rank];
     void *dst_x = s.expert_layout ? b.stage_x : a.recv_x;
     float *dst_scales = s.expert_layout ? b.stage_scales : a.recv_scales;
-    copy_chunk((const char *)got_ptr(&g, src_rank, 1) + first * row_bytes, (char *)dst_x + at * row_bytes, n, row_bytes);
-    if (fp8) copy_floats((const float *)got_ptr(&g, src_rank, 2) + first * blocks, dst_scales + at * blocks, n * blocks);
+    const epxc_a2a_dispatch_words_t *sent = &posted(&g, src_rank)->a2a_dispatch;
+    const char *send_x = (const char *)peer_ptr(&g, src_rank, sent->send_x);
+    copy_chunk(send_x + first * row_bytes, (char *)dst_x + at * row_bytes, n, row_bytes);
+    if (fp8) {
+      const float *send_scales = (const float *)peer_ptr(&g, src_rank, sent->send_scales);
+      copy_floats(send_scales + first * blocks, dst_scales + at * blocks, n * blocks);
+    }
     if (s.expert_layout) {
-      copy_floats((const float *)got_ptr(&g, src_rank, 4) + first, b.stage_weight + at, n);
+      copy_floats((const float *)peer_ptr(&g, src_rank, sent->send_weight) + first, b.stage_weight + at, n);
     } else {
-      const int32_t *tokens = (const int32_t *)got_ptr(&g, src_rank, 3) + first;
+      const int32_t *tokens = (const int32_t *)peer_ptr(&g, src_rank, sent->send_token) + first;
       for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t j = i / K, t = tokens[j];
         const int k = (int)(i % K), e = src->idx[t * K + k];
@@ -163,7 +168,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) pull_back_kernel(epxc_sha
   if (plan_void(&g, plan)) return;
   const size_t row_bytes = (size_t)s.hidden * dtype_bytes(a.y_dtype);
   for (int d = 0; d < s.nranks; d++)
-    copy_chunk((const char *)got_ptr(&g, d, 1) + plan->dest_base[d] * row_bytes,
+    copy_chunk((const char *)peer_ptr(&g, d, posted(&g, d)->combine.rows) + plan->dest_base[d] * row_bytes,
                (char *)a.staged + plan->send_base[d] * row_bytes, plan->counts[d], row_bytes);
 }
 

@@ -8,10 +8,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "cuda/config.cuh"
 #include "cuda/cuda_shared.h"
-
-#define EPXC_THREADS 1024
-#define EPXC_WARPS (EPXC_THREADS / 32)
 
 /* Host side of the epxc_preload_* functions: loads the kernels, keeps the largest stack. */
 static cudaError_t preload_kernels(const void *const *kernels, size_t n, size_t *stack) {
@@ -74,7 +72,7 @@ static __device__ bool wait_flag(const epxc_group_t *g, const uint64_t *flag, ui
   volatile epxc_error_t *peer_err = &g->errors[peer];
   for (uint32_t spin = 0;; spin++) {
     if (ld_acquire(flag) >= epoch) return true;
-    if ((spin & 63) == 63) {
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK) {
       const int ps = peer_err->status;
       if (fatal_status(ps)) {
         record_error(g, EPX_ERR_BROKEN, phase, peer, ps);
@@ -223,13 +221,13 @@ static __device__ __forceinline__ int64_t bit_rank(const uint32_t *bits, const i
 
 /* ---- warp helpers ------------------------------------------------------------------------ */
 
-static __device__ __forceinline__ int lane_id(void) { return threadIdx.x & 31; }
+static __device__ __forceinline__ int lane_id(void) { return threadIdx.x & (EPXC_WARP - 1); }
 
 /* Global warp index and count of a grid-stride loop over warps. */
 static __device__ __forceinline__ int64_t warp_global(void) {
-  return (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  return (int64_t)blockIdx.x * (blockDim.x / EPXC_WARP) + (threadIdx.x / EPXC_WARP);
 }
-static __device__ __forceinline__ int64_t warp_count(void) { return (int64_t)gridDim.x * (blockDim.x / 32); }
+static __device__ __forceinline__ int64_t warp_count(void) { return (int64_t)gridDim.x * (blockDim.x / EPXC_WARP); }
 
 /* ---- routing ----------------------------------------------------------------------------- */
 
@@ -300,20 +298,19 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int6
 /* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), by warps
  * `first`, first + step, ... of the launch. Rows of a few words (a decode step's) go a lane per
  * row, its words loaded at once: a warp per row would chain one memory round trip per row. */
-#define PREFIX_LANE_WORDS 8
 static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int64_t first, int64_t step) {
   const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
   const int R = s->nranks, rows = R + s->num_experts, lane = lane_id();
-  if (used <= PREFIX_LANE_WORDS) {
-    for (int64_t row = first * 32 + lane; row < rows; row += step * 32) {
+  if (used <= EPXC_PREFIX_LANE_WORDS) {
+    for (int64_t row = first * EPXC_WARP + lane; row < rows; row += step * EPXC_WARP) {
       const uint32_t *bits = row < R ? plan->rank_bits + row * W : plan->exp_bits + (row - R) * W;
       int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
-      uint32_t b[PREFIX_LANE_WORDS];
+      uint32_t b[EPXC_PREFIX_LANE_WORDS];
 #pragma unroll
-      for (int w = 0; w < PREFIX_LANE_WORDS; w++) b[w] = w < used ? bits[w] : 0;
+      for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) b[w] = w < used ? bits[w] : 0;
       int32_t carry = 0;
 #pragma unroll
-      for (int w = 0; w < PREFIX_LANE_WORDS; w++) {
+      for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) {
         if (w < used) pre[w] = carry;
         carry += __popc(b[w]);
       }
@@ -324,15 +321,15 @@ static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int
     const uint32_t *bits = row < R ? plan->rank_bits + row * W : plan->exp_bits + (row - R) * W;
     int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
     int32_t carry = 0;
-    for (int64_t base = 0; base < used; base += 32) {
+    for (int64_t base = 0; base < used; base += EPXC_WARP) {
       const int64_t w = base + lane;
       int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
-      for (int o = 1; o < 32; o <<= 1) {
+      for (int o = 1; o < EPXC_WARP; o <<= 1) {
         int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
         if (lane >= o) inc += v;
       }
       if (w < used) pre[w] = carry + inc - c;
-      carry += __shfl_sync(0xffffffffu, inc, 31);
+      carry += __shfl_sync(0xffffffffu, inc, EPXC_WARP - 1);
     }
   }
 }

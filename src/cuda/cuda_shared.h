@@ -1,4 +1,4 @@
-/* What the CUDA backend's host side (backend.c, C11) and its kernels (*.cu) share: the
+/* What the CUDA backend's host side (backend.h, C11) and its kernels (*.cu) share: the
  * device-resident structures and the launchers' signatures.
  *
  * The model: ranks pull. Every operation is a few work kernels (which never wait on a peer)
@@ -21,18 +21,63 @@ extern "C" {
 #endif
 
 #define EPXC_SLOT_WORDS 7 /* the last one is the phase tag: 6 words of payload */
+#define EPXC_PAYLOAD_WORDS (EPXC_SLOT_WORDS - 1)
 #define EPXC_PHASE_TAG 0x6570780000000000ull
 
-/* One mailbox: `flag` is the exchange's epoch once `word` is valid. */
+/* What an exchange publishes, by kind of exchange. The first word of every kind is the rank's
+ * status (epx_status_t: a failure makes every rank skip the operation); addresses are the
+ * publisher's own (a reader reaches them through peer_ptr, see epxc_group_t). */
+typedef struct {
+  uint64_t status;
+  uint64_t plan;       /* epxc_plan_t *: its plan, whose send side the readers take in */
+  uint64_t num_tokens;
+} epxc_notify_words_t;
+
+typedef struct { /* high-throughput dispatch */
+  uint64_t status;
+  uint64_t x;          /* the rows destinations pull: the caller's x, or its copy in the arena */
+} epxc_ht_dispatch_words_t;
+
+typedef struct { /* all-to-all dispatch: the send buffer (epxc_a2a_t) destinations pull chunks of */
+  uint64_t status;
+  uint64_t send_x, send_scales, send_token, send_weight;
+} epxc_a2a_dispatch_words_t;
+
+typedef struct { /* low-latency dispatch */
+  uint64_t status;     /* the routing's (plan->status) */
+  uint64_t plan;       /* epxc_plan_t * of this call's parity */
+  uint64_t stage, stage_scales; /* this rank's tokens as staged, and their fp8 scales */
+  uint64_t stage_dtype; /* epx_dtype_t the tokens were staged in */
+} epxc_ll_dispatch_words_t;
+
+typedef struct { /* every combine (high-throughput, all-to-all, low-latency) */
+  uint64_t status;
+  uint64_t rows;       /* the rows sources pull back: y, or the partials */
+  uint64_t row_weight_grad; /* float *: the row weight gradients, NULL when not asked for */
+} epxc_combine_words_t;
+
+typedef union {
+  uint64_t word[EPXC_PAYLOAD_WORDS];
+  uint64_t status;     /* word 0 of every kind */
+  epxc_notify_words_t notify;
+  epxc_ht_dispatch_words_t ht_dispatch;
+  epxc_a2a_dispatch_words_t a2a_dispatch;
+  epxc_ll_dispatch_words_t ll_dispatch;
+  epxc_combine_words_t combine;
+} epxc_words_t;
+
+/* One mailbox: `flag` is the exchange's epoch once the words are valid; the slot's last word
+ * is the phase tag. */
 typedef struct {
   uint64_t flag;
-  uint64_t word[EPXC_SLOT_WORDS];
+  epxc_words_t words;
+  uint64_t phase_tag;
 } epxc_slot_t;
 
 /* Per rank, in its device memory; peers write its mailboxes. */
 typedef struct {
   epxc_slot_t post[2][EPX_MAX_RANKS];            /* [exchange parity][source rank] */
-  uint64_t got[EPX_MAX_RANKS][EPXC_SLOT_WORDS];  /* last exchange's payloads, copied here */
+  epxc_words_t got[EPX_MAX_RANKS];               /* last exchange's payloads, copied here */
   uint64_t seq;                                  /* exchanges this rank has entered */
   /* low-latency kernels: blocks of one launch meet through these (see ll.cu) */
   uint64_t ll_rounds;                            /* launches whose blocks have all arrived */
@@ -65,12 +110,15 @@ typedef enum {
   EPXC_PH_COUNT
 } epxc_phase_t;
 
-/* What every kernel needs to reach the group. Passed by value.
+/* What every kernel needs to reach the group: the seam between the kernels and a transport.
+ * The transport that made the comm (src/cuda/transport_*.c) fills state[] and delta[]; the
+ * world fills errors. Passed by value.
  *
  * Addresses a peer publishes (exchange words, the pointers inside its plan) are its own. In
- * one process they are this rank's too; across processes each rank maps every peer's arena
- * (see backend.c) wherever CUDA IPC put it, so a peer's address p is reached at
- * p + delta[peer] (device helper peer_ptr). delta is 0 in one process. */
+ * one process they are this rank's too (delta 0); across processes each rank maps every
+ * peer's arena wherever CUDA IPC put it, so a peer's address p is reached at p + delta[peer]
+ * (device helper peer_ptr). The flags a rank waits on are in its own state's mailboxes; the
+ * error words every rank's kernels watch are errors[]. */
 typedef struct {
   int rank, nranks;
   epxc_state_t *state[EPX_MAX_RANKS]; /* every rank's state, this one included, as reached here */
@@ -231,11 +279,12 @@ int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll
 int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
                     void *stream);
 
-/* Publishes `words` to every peer's mailbox and waits for every peer's; the payloads land in
- * this rank's state->got. word[0] of every payload is a status (read from status_dev when
- * that is given): the first non-success one is recorded in group_status and as this rank's
- * error. */
-int epxc_exchange(const epxc_group_t *g, int phase, const uint64_t *words, const int32_t *status_dev, void *stream);
+/* Publishes `words` (NULL: none but a success status) to every peer's mailbox and waits for
+ * every peer's; the payloads land in this rank's state->got. The status of every payload (read
+ * from status_dev when that is given) is checked: the first failure is recorded in
+ * group_status and as this rank's error. */
+int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, const int32_t *status_dev,
+                  void *stream);
 
 /* notify: normalise and validate the routing, build bitmaps and counts (bits and counts must
  * be zeroed by the caller); then prefix popcounts. */

@@ -2,15 +2,15 @@
 #include "cuda/exchange.cuh"
 
 static __global__ void exchange_kernel(epxc_group_t g, int phase, epxc_words_t words, const int32_t *status_dev) {
-  if (status_dev) words.w[0] = (uint64_t)(uint32_t)*status_dev;
+  if (status_dev) words.status = (uint64_t)(uint32_t)*status_dev;
   exchange_block(&g, phase, &words);
 }
 
-extern "C" int epxc_exchange(const epxc_group_t *g, int phase, const uint64_t *words, const int32_t *status_dev,
+extern "C" int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, const int32_t *status_dev,
                              void *stream) {
   epxc_words_t w;
-  for (int i = 0; i < EPXC_SLOT_WORDS; i++) w.w[i] = words ? words[i] : 0;
-  exchange_kernel<<<1, 64, 0, (cudaStream_t)stream>>>(*g, phase, w, status_dev);
+  for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) w.word[i] = words ? words->word[i] : 0;
+  exchange_kernel<<<1, EPXC_EXCHANGE_THREADS, 0, (cudaStream_t)stream>>>(*g, phase, w, status_dev);
   return (int)cudaGetLastError();
 }
 

@@ -11,9 +11,8 @@
 
 #include "cuda/common.cuh"
 
-typedef struct {
-  uint64_t w[EPXC_SLOT_WORDS];
-} epxc_words_t;
+static_assert(sizeof(epxc_slot_t) == sizeof(uint64_t) * (1 + EPXC_SLOT_WORDS), "a mailbox is a flag and its words");
+static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "every kind of words fits a slot");
 
 /* Posts this rank's words to every peer. Call from every thread of one block. Returns the
  * exchange's epoch, or 0 when this rank stopped earlier. */
@@ -30,8 +29,8 @@ static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const
   if (epoch && r < g->nranks) {
     /* the last word carries the phase: ranks that disagree on where they are fail loudly */
     epxc_slot_t *slot = &g->state[r]->post[epoch & 1][g->rank];
-    for (int i = 0; i < EPXC_SLOT_WORDS - 1; i++) slot->word[i] = words->w[i];
-    slot->word[EPXC_SLOT_WORDS - 1] = EPXC_PHASE_TAG + (uint64_t)phase;
+    for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) slot->words.word[i] = words->word[i];
+    slot->phase_tag = EPXC_PHASE_TAG + (uint64_t)phase;
     st_release(&slot->flag, epoch);
   }
   __syncthreads();
@@ -39,7 +38,7 @@ static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const
 }
 
 /* Waits (bounded) for every peer's post of exchange `epoch`; the payloads land in state->got,
- * group_status gets the first failure any rank reported in word 0. Call from every thread of
+ * group_status gets the first failure any rank reported in its status word. Call from every thread of
  * one block. Returns false when this rank must stop. */
 static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t epoch) {
   epxc_state_t *me = g->state[g->rank];
@@ -52,11 +51,11 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
     volatile epxc_slot_t *in = &me->post[epoch & 1][r];
     if (!wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase)) {
       ex_failed = 1;
-    } else if (in->word[EPXC_SLOT_WORDS - 1] != EPXC_PHASE_TAG + (uint64_t)phase) {
-      record_error(g, EPX_ERR_BROKEN, phase, r, (int64_t)(in->word[EPXC_SLOT_WORDS - 1] - EPXC_PHASE_TAG));
+    } else if (in->phase_tag != EPXC_PHASE_TAG + (uint64_t)phase) {
+      record_error(g, EPX_ERR_BROKEN, phase, r, (int64_t)(in->phase_tag - EPXC_PHASE_TAG));
       ex_failed = 1;
     } else {
-      for (int i = 0; i < EPXC_SLOT_WORDS; i++) me->got[r][i] = in->word[i];
+      for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) me->got[r].word[i] = in->words.word[i];
     }
   }
   __syncthreads();
@@ -66,7 +65,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
     } else {
       int status = 0, who = -1;
       for (int q = 0; q < g->nranks && !status; q++)
-        if ((int32_t)me->got[q][0] != 0) status = (int32_t)me->got[q][0], who = q;
+        if ((int32_t)me->got[q].status != 0) status = (int32_t)me->got[q].status, who = q;
       me->group_status = status;
       if (status) record_error(g, status, phase, who, 0);
     }

@@ -24,7 +24,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shap
   const bool raw = a.recv_dtype == a.x_dtype && !(a.scale_by_probs && s.expert_layout);
   for (int src_rank = 0; src_rank < R; src_rank++) {
     const epxc_peer_t *src = &plan->peer[src_rank];
-    const void *x = got_ptr(&g, src_rank, 1);
+    const void *x = peer_ptr(&g, src_rank, posted(&g, src_rank)->ht_dispatch.x);
     const int64_t T = src->num_tokens, W = src->words;
     const uint32_t *bits = src->rank_bits + (int64_t)me * W;
     const int32_t *pre = src->rank_pre + (int64_t)me * W;
@@ -99,9 +99,8 @@ extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *
 }
 
 /* On the source: out[t] = round(sum over destinations d ascending of rows_d[row of t on d]),
- * where rows_d is d's y (token layout) or d's partials (expert layout), published as word 1
- * of the combine exchange (or this rank's staged copy of them, all-to-all); word 2 is d's
- * row_weight_grad. */
+ * where rows_d is d's y (token layout) or d's partials (expert layout), as d published them in
+ * the combine exchange (or this rank's staged copy of them, all-to-all). */
 static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_t s, epxc_group_t g,
                                                                     const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan)) return;
@@ -115,7 +114,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_
       if (!bit_set(bits, t)) continue;
       const int64_t rank = bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
       rows[m++] = a.staged ? row_at(a.staged, a.y_dtype, plan->send_base[d] + rank, H)
-                           : row_at(got_ptr(&g, d, 1), a.y_dtype, plan->dest_base[d] + rank, H);
+                           : row_at(peer_ptr(&g, d, posted(&g, d)->combine.rows), a.y_dtype, plan->dest_base[d] + rank, H);
     }
     reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);

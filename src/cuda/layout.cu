@@ -38,8 +38,8 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
   if (tokens_per_rank) cudaMemsetAsync(tokens_per_rank, 0, sizeof(int32_t) * s->nranks, st);
   if (tokens_per_expert) cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * s->num_experts, st);
   if (T > 0)
-    layout_kernel<<<s->num_sms, 256, 0, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank, tokens_per_expert,
-                                              is_token_in_rank);
+    layout_kernel<<<s->num_sms, EPXC_LAYOUT_THREADS, 0, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank,
+                                                              tokens_per_expert, is_token_in_rank);
   return (int)cudaGetLastError();
 }
 
@@ -83,13 +83,13 @@ extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, c
   cudaMemsetAsync(plan_host->exp_bits, 0, sizeof(uint32_t) * E * W, st);
   cudaMemsetAsync(plan_host->counts, 0, sizeof(int32_t) * (R + E), st);
   cudaMemsetAsync(&plan_dev->bad_key, 0xff, sizeof(uint64_t), st);
-  build_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev, T, topk_idx, idx_dtype, topk_weights, map, probs);
-  prefix_kernel<<<s->num_sms, 512, 0, st>>>(*s, plan_dev);
+  build_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, 0, st>>>(*s, plan_dev, T, topk_idx, idx_dtype, topk_weights, map, probs);
+  prefix_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, 0, st>>>(*s, plan_dev);
   status_kernel<<<1, 1, 0, st>>>(plan_dev);
   return (int)cudaGetLastError();
 }
 
-/* After the exchange of plan pointers (got[s][1]): every rank's send side as this rank reads it,
+/* After the exchange of plan pointers (notify words): every rank's send side as this rank reads it,
  * then the receive side, from every rank's counts. */
 static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t *plan) {
   const epxc_state_t *st = g.state[g.rank];
@@ -103,7 +103,7 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
   __syncthreads();
   if (stop || plan->group_status) return;
   if (tid < R) {
-    peer_view(&g, tid, st->got[tid][1], &plan->peer[tid]);
+    peer_view(&g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
   }
   __syncthreads();
   if (tid < R) {
@@ -145,7 +145,7 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
 }
 
 extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream) {
-  finish_kernel<<<1, 1024, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev);
+  finish_kernel<<<1, EPXC_FINISH_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev);
   return (int)cudaGetLastError();
 }
 

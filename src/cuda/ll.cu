@@ -14,18 +14,14 @@
 #include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
 
-/* Every block of a launch waits for block 0, so all must be resident at once: half-size
- * blocks leave room for two per SM. */
-#define LL_THREADS 512
-
 /* Build with -DEPX_LL_TRACE to have rank 0's block 0 print when each phase of every launch
  * ended (ns since the launch started): where a decode step's latency goes. */
 #ifdef EPX_LL_TRACE
 #include <stdio.h>
-#define LL_TRACE_DECL uint64_t trace_[8] = {0}; int ntrace_ = 0
+#define LL_TRACE_DECL uint64_t trace_[EPXC_LL_TRACE_POINTS] = {0}; int ntrace_ = 0
 #define LL_TRACE() \
   do {             \
-    if (threadIdx.x == 0 && blockIdx.x == 0 && ntrace_ < 8) trace_[ntrace_++] = globaltimer_ns(); \
+    if (threadIdx.x == 0 && blockIdx.x == 0 && ntrace_ < EPXC_LL_TRACE_POINTS) trace_[ntrace_++] = globaltimer_ns(); \
   } while (0)
 #define LL_TRACE_PRINT(what)                                                                                   \
   do {                                                                                                         \
@@ -50,7 +46,7 @@ static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0;; spin++) {
     if (ld_acquire(p) >= target) return true;
-    if ((spin & 63) == 63 && globaltimer_ns() - start > g->timeout_ns) {
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
       record_error(g, EPX_ERR_TIMEOUT, phase, g->rank, (int64_t)(g->timeout_ns / 1000000));
       return false;
     }
@@ -103,10 +99,10 @@ typedef struct {
 } slicing_t;
 
 static __device__ slicing_t slicing(int64_t rows, int hidden) {
-  const int64_t chunks = (hidden + 255) / 256;
+  const int64_t chunks = (hidden + EPXC_CHUNK_CHANNELS - 1) / EPXC_CHUNK_CHANNELS;
   int64_t want = rows > 0 ? (warp_count() + rows - 1) / rows : 1;
   want = want < 1 ? 1 : want > chunks ? chunks : want;
-  const int64_t width = (chunks + want - 1) / want * 256;
+  const int64_t width = (chunks + want - 1) / want * EPXC_CHUNK_CHANNELS;
   return (slicing_t){width, (hidden + width - 1) / width};
 }
 
@@ -160,19 +156,19 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
     }
   }
   __syncthreads();
-  plan_prefix(s, plan, threadIdx.x >> 5, blockDim.x >> 5);
+  plan_prefix(s, plan, threadIdx.x / EPXC_WARP, blockDim.x / EPXC_WARP);
   __syncthreads();
   if (threadIdx.x == 0) plan->status = plan->bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(plan->bad_key & 0xff);
   __syncthreads();
 }
 
-/* After the exchange (got[s][1] = s's plan): every rank's send side as this rank reads it, and
+/* After the exchange (the plan each rank published): every rank's send side as this rank reads it, and
  * where every source's pairs land here. Fixed blocks of R * max_tokens rows per local expert,
  * packed by (source rank, source token). */
 static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan) {
   const int R = s->nranks, L = s->num_local, me = s->rank;
   const epxc_state_t *st = g->state[g->rank];
-  if (threadIdx.x < R) peer_view(g, threadIdx.x, st->got[threadIdx.x][1], &plan->peer[threadIdx.x]);
+  if (threadIdx.x < R) peer_view(g, threadIdx.x, st->got[threadIdx.x].ll_dispatch.plan, &plan->peer[threadIdx.x]);
   __syncthreads();
   /* every (expert, source) count read at once: one round trip to the peers, not R */
   __shared__ int32_t count[EPX_MAX_EXPERTS]; /* [L, R] */
@@ -208,9 +204,8 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
-static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                            epxc_ll_t *ll, epxc_route_t route,
-                                                                            epxc_dispatch_t a) {
+static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
+    ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_route_t route, epxc_dispatch_t a) {
   LL_TRACE_DECL;
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
@@ -250,9 +245,12 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
     if (blockIdx.x == 0) {
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
       __syncthreads();
-      const epxc_words_t w = {{(uint64_t)(uint32_t)plan->status, (uint64_t)(uintptr_t)plan,
-                               (uint64_t)(uintptr_t)ll->stage[p], (uint64_t)(uintptr_t)ll->stage_scales[p],
-                               (uint64_t)stage_dtype}};
+      epxc_words_t w = {};
+      w.ll_dispatch.status = (uint64_t)(uint32_t)plan->status;
+      w.ll_dispatch.plan = (uint64_t)(uintptr_t)plan;
+      w.ll_dispatch.stage = (uint64_t)(uintptr_t)ll->stage[p];
+      w.ll_dispatch.stage_scales = (uint64_t)(uintptr_t)ll->stage_scales[p];
+      w.ll_dispatch.stage_dtype = (uint64_t)stage_dtype;
       const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w);
       if (threadIdx.x == 0) {
         ll->dispatches = calls + 1;
@@ -282,9 +280,10 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
     int64_t t;
     if (!pair_arrived(&s, plan, i, &src_rank, &t)) continue;
     const epxc_peer_t *src = &plan->peer[src_rank];
-    const void *stage = got_ptr(&g, src_rank, 2);
-    const float *stage_scales = (const float *)got_ptr(&g, src_rank, 3);
-    const epx_dtype_t src_dtype = (epx_dtype_t)st->got[src_rank][4]; /* as the source staged it */
+    const epxc_ll_dispatch_words_t *sent = &posted(&g, src_rank)->ll_dispatch;
+    const void *stage = peer_ptr(&g, src_rank, sent->stage);
+    const float *stage_scales = (const float *)peer_ptr(&g, src_rank, sent->stage_scales);
+    const epx_dtype_t src_dtype = (epx_dtype_t)sent->stage_dtype; /* as the source staged it */
     void *dst[EPX_MAX_TOPK];
     float *dscale[EPX_MAX_TOPK];
     float factor[EPX_MAX_TOPK];
@@ -296,7 +295,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
       copy_row_raw(in, dst, m, (int64_t)row_bytes);
       if (fp8)
         for (int j = 0; j < m; j++)
-          for (int b = lane; b < blocks; b += 32) dscale[j][b] = stage_scales[t * blocks + b];
+          for (int b = lane; b < blocks; b += EPXC_WARP) dscale[j][b] = stage_scales[t * blocks + b];
     }
   }
   LL_TRACE(); /* 6: block 0's rows copied */
@@ -305,7 +304,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_dispatch_kernel(epxc_
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
                                 const epxc_dispatch_t *a, void *stream) {
-  ll_dispatch_kernel<<<s->num_sms, LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a);
+  ll_dispatch_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a);
   return (int)cudaGetLastError();
 }
 
@@ -319,8 +318,8 @@ static __device__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *pla
     for (int64_t i = i0; i < plan->pairs_local[l]; i += step) to[plan->block[l] + i] = from[plan->block[l] + i];
 }
 
-static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                           epxc_ll_t *ll, epxc_combine_t a) {
+static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
+    ll_combine_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_combine_t a) {
   LL_TRACE_DECL;
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
@@ -357,8 +356,10 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     if (blockIdx.x == 0) {
       if (!arrived && threadIdx.x == 0) st->aborted = 1;
       __syncthreads();
-      const epxc_words_t w = {{(uint64_t)(uint32_t)plan->group_status, (uint64_t)(uintptr_t)partials,
-                               (uint64_t)(uintptr_t)wgrad}};
+      epxc_words_t w = {};
+      w.combine.status = (uint64_t)(uint32_t)plan->group_status;
+      w.combine.rows = (uint64_t)(uintptr_t)partials;
+      w.combine.row_weight_grad = (uint64_t)(uintptr_t)wgrad;
       const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w);
       if (threadIdx.x == 0) {
         ll->combines = calls + 1;
@@ -387,7 +388,8 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
     int m = 0;
     for (int d = 0; d < R; d++)
       if (bit_set(plan->rank_bits + (int64_t)d * W, t))
-        rows[m++] = (const char *)got_ptr(&g, d, 1) + slice_offset(a.y_dtype, (int64_t)me * s.max_tokens + t, H, c);
+        rows[m++] = (const char *)peer_ptr(&g, d, posted(&g, d)->combine.rows) +
+                    slice_offset(a.y_dtype, (int64_t)me * s.max_tokens + t, H, c);
     reduce_rows(rows, NULL, m, a.y_dtype, (char *)a.out + slice_offset(a.out_dtype, t, H, c), a.out_dtype, (int)w);
     if (c == 0) slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
@@ -397,7 +399,7 @@ static __global__ void __launch_bounds__(LL_THREADS, 2) ll_combine_kernel(epxc_s
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
                                void *stream) {
-  ll_combine_kernel<<<s->num_sms, LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a);
+  ll_combine_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a);
   return (int)cudaGetLastError();
 }
 

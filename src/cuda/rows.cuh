@@ -4,16 +4,10 @@
 
 #include "cuda/common.cuh"
 
-#define UNROLL 4
-
-/* The state of the exchange that opened the current operation: got[s][i] is word i of s. */
-static __device__ __forceinline__ uint64_t got(const epxc_group_t *g, int s, int i) {
-  return g->state[g->rank]->got[s][i];
-}
-
-/* Word i of s as an address of s's, where this rank reaches it. */
-static __device__ __forceinline__ const void *got_ptr(const epxc_group_t *g, int s, int i) {
-  return peer_ptr(g, s, got(g, s, i));
+/* What rank s published in the exchange that opened the current operation. Its addresses are
+ * s's: read them through peer_ptr. */
+static __device__ __forceinline__ const epxc_words_t *posted(const epxc_group_t *g, int s) {
+  return &g->state[g->rank]->got[s];
 }
 
 /* Nothing to do when this rank stopped, the plan was refused, or a rank failed the exchange
@@ -84,17 +78,17 @@ static __device__ void copy_row_raw(const void *src, void *const *dst, int m, in
   const uint4 *in = (const uint4 *)src;
   const int64_t n = bytes / 16;
   const int lane = lane_id();
-  for (int64_t base = 0; base < n; base += 32 * UNROLL) {
-    uint4 v[UNROLL];
+  for (int64_t base = 0; base < n; base += EPXC_WARP * EPXC_UNROLL) {
+    uint4 v[EPXC_UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      int64_t i = base + u * 32 + lane;
+    for (int u = 0; u < EPXC_UNROLL; u++) {
+      int64_t i = base + u * EPXC_WARP + lane;
       if (i < n) v[u] = in[i];
     }
     for (int j = 0; j < m; j++)
 #pragma unroll
-      for (int u = 0; u < UNROLL; u++) {
-        int64_t i = base + u * 32 + lane;
+      for (int u = 0; u < EPXC_UNROLL; u++) {
+        int64_t i = base + u * EPXC_WARP + lane;
         if (i < n) ((uint4 *)dst[j])[i] = v[u];
       }
   }
@@ -109,8 +103,8 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
   if (recv_dtype == EPX_FP8_E4M3) {
     /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. One chunk at a time:
      * holding two costs spills that lose more than the second load gains. */
-    for (int64_t c0 = 0; c0 < hidden; c0 += 256) {
-      const int64_t c = c0 + 8 * lane;
+    for (int64_t c0 = 0; c0 < hidden; c0 += EPXC_CHUNK_CHANNELS) {
+      const int64_t c = c0 + EPXC_LANE_CHANNELS * lane;
       const bool live = c < hidden;
       float x[8];
       if (live) load8(src, x_dtype, c, x);
@@ -122,25 +116,26 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
           amax = fmaxf(amax, fabsf(v[i]));
         }
 #pragma unroll
-        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float a = fmaxf(amax, 1e-4f), sc = __fdiv_rn(448.0f, a);
+        for (int o = EPXC_FP8_BLOCK_LANES / 2; o >= 1; o >>= 1)
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float a = fmaxf(amax, EPXC_FP8_AMAX_FLOOR), sc = __fdiv_rn(EPXC_FP8_MAX, a);
         if (live) {
           uint32_t q[2] = {0, 0};
 #pragma unroll
           for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
           *(uint2 *)((uint8_t *)dst[j] + c) = make_uint2(q[0], q[1]);
-          if ((lane & 15) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, 448.0f);
+          if ((lane & (EPXC_FP8_BLOCK_LANES - 1)) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, EPXC_FP8_MAX);
         }
       }
     }
     return;
   }
-  const int64_t vec_end = hidden / 8 * 8;
-  for (int64_t c0 = 8 * lane; c0 < vec_end; c0 += 512) {
-    const bool second = c0 + 256 < vec_end;
+  const int64_t vec_end = hidden / EPXC_LANE_CHANNELS * EPXC_LANE_CHANNELS;
+  for (int64_t c0 = EPXC_LANE_CHANNELS * lane; c0 < vec_end; c0 += 2 * EPXC_CHUNK_CHANNELS) {
+    const bool second = c0 + EPXC_CHUNK_CHANNELS < vec_end;
     raw8_t raw[2];
     raw[0] = load_raw8(src, x_dtype, c0);
-    if (second) raw[1] = load_raw8(src, x_dtype, c0 + 256);
+    if (second) raw[1] = load_raw8(src, x_dtype, c0 + EPXC_CHUNK_CHANNELS);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       if (h == 1 && !second) break;
@@ -150,11 +145,11 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
         float v[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
-        store8(dst[j], recv_dtype, c0 + 256 * h, v);
+        store8(dst[j], recv_dtype, c0 + EPXC_CHUNK_CHANNELS * h, v);
       }
     }
   }
-  for (int64_t c = vec_end + lane; c < hidden; c += 32) {
+  for (int64_t c = vec_end + lane; c < hidden; c += EPXC_WARP) {
     float x = load1(src, x_dtype, c);
     for (int j = 0; j < m; j++) store1(dst[j], recv_dtype, c, scaled ? __fmul_rn(factor[j], x) : x);
   }
@@ -169,9 +164,9 @@ static __device__ void zero_padding(const epxc_shape_t *s, const epxc_plan_t *pl
     const int64_t lo = plan->block[l] + plan->pairs_local[l], hi = plan->block[l + 1];
     for (int64_t r = lo + warp_global(); r < hi; r += warp_count()) {
       uint4 *p = (uint4 *)((char *)a->recv_x + r * row_bytes);
-      for (int64_t i = lane; i < (int64_t)(row_bytes / 16); i += 32) p[i] = make_uint4(0, 0, 0, 0);
+      for (int64_t i = lane; i < (int64_t)(row_bytes / 16); i += EPXC_WARP) p[i] = make_uint4(0, 0, 0, 0);
       if (a->recv_dtype == EPX_FP8_E4M3)
-        for (int b = lane; b < blocks; b += 32) a->recv_scales[r * blocks + b] = 0.0f;
+        for (int b = lane; b < blocks; b += EPXC_WARP) a->recv_scales[r * blocks + b] = 0.0f;
       if (lane == 0 && a->recv_probs) a->recv_probs[r] = 0.0f;
     }
   }
@@ -206,9 +201,9 @@ static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g,
 static __device__ void reduce_rows(const void *const *rows, const float *w, int m, epx_dtype_t in_dtype, void *out,
                                    epx_dtype_t out_dtype, int hidden) {
   const int lane = lane_id();
-  const int64_t vec_end = hidden / 8 * 8;
-  for (int64_t c0 = 8 * lane; c0 < vec_end; c0 += 512) {
-    const bool second = c0 + 256 < vec_end;
+  const int64_t vec_end = hidden / EPXC_LANE_CHANNELS * EPXC_LANE_CHANNELS;
+  for (int64_t c0 = EPXC_LANE_CHANNELS * lane; c0 < vec_end; c0 += 2 * EPXC_CHUNK_CHANNELS) {
+    const bool second = c0 + EPXC_CHUNK_CHANNELS < vec_end;
     float acc[2][8];
 #pragma unroll
     for (int h = 0; h < 2; h++)
@@ -220,7 +215,7 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
       for (int u = 0; u < 2; u++)
         if (j0 + u < m) {
           r[u][0] = load_raw8(rows[j0 + u], in_dtype, c0);
-          if (second) r[u][1] = load_raw8(rows[j0 + u], in_dtype, c0 + 256);
+          if (second) r[u][1] = load_raw8(rows[j0 + u], in_dtype, c0 + EPXC_CHUNK_CHANNELS);
         }
 #pragma unroll
       for (int u = 0; u < 2; u++) {
@@ -237,9 +232,9 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
       }
     }
     store8(out, out_dtype, c0, acc[0]);
-    if (second) store8(out, out_dtype, c0 + 256, acc[1]);
+    if (second) store8(out, out_dtype, c0 + EPXC_CHUNK_CHANNELS, acc[1]);
   }
-  for (int64_t c = vec_end + lane; c < hidden; c += 32) {
+  for (int64_t c = vec_end + lane; c < hidden; c += EPXC_WARP) {
     float acc = 0.0f;
     for (int j = 0; j < m; j++) {
       const float v = load1(rows[j], in_dtype, c);
@@ -265,7 +260,7 @@ static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t
 }
 
 /* Source side of a combine, lanes < K: the weight gradient of token t's slots, from the row
- * gradient its destination published as word 2 (0 for slots that routed nowhere). */
+ * gradients its destination published (0 for slots that routed nowhere). */
 static __device__ void slot_weight_grad(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan, int64_t t,
                                         float *topk_weight_grad) {
   const int K = s->topk, L = s->num_local, R = s->nranks, lane = lane_id();
@@ -275,7 +270,7 @@ static __device__ void slot_weight_grad(const epxc_shape_t *s, const epxc_group_
   float gw = 0.0f;
   if (e >= 0) {
     const int d = e / L;
-    const float *wg = (const float *)got_ptr(g, d, 2);
+    const float *wg = (const float *)peer_ptr(g, d, posted(g, d)->combine.row_weight_grad);
     int64_t row;
     if (s->expert_layout) {
       row = plan->peer[d].pair_base[(int64_t)(e % L) * R + s->rank] +

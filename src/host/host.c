@@ -13,6 +13,25 @@
 
 /* ---- rows in any element type ---------------------------------------------------------- */
 
+/* The contract's special values: a row copied without conversion keeps its bits; every NaN
+ * that arithmetic makes is the canonical float32 NaN (bf16 and e4m3 stores then give their
+ * canonical NaNs too), as the GPU's arithmetic does. x86 arithmetic would instead keep an
+ * input's payload (or give the negative "default" NaN). */
+static float canonical(float v) {
+  if (v == v) return v;
+  const uint32_t nan = 0x7fffffffu;
+  memcpy(&v, &nan, sizeof v);
+  return v;
+}
+
+static void canonical_row(float *v, int hidden) {
+  for (int c = 0; c < hidden; c++) v[c] = canonical(v[c]);
+}
+
+static void copy_row(void *dst, int64_t dst_row, const void *src, int64_t src_row, size_t row_bytes) {
+  memcpy((char *)dst + dst_row * row_bytes, (const char *)src + src_row * row_bytes, row_bytes);
+}
+
 static void load_row(const void *base, epx_dtype_t dtype, int64_t row, int hidden, float *out) {
   if (dtype == EPX_FLOAT32) {
     memcpy(out, (const float *)base + row * hidden, sizeof(float) * hidden);
@@ -139,16 +158,15 @@ static epx_status_t host_get_layout(epx_comm_t *comm, const epx_routing_t *routi
   return EPX_SUCCESS;
 }
 
-/* Agrees on the first failure of any rank: a rank that failed keeps its own message, the
- * others learn who failed. */
+/* Agrees on the first failure of any rank, and that every rank is in the same call with
+ * the same settings: each carries the call's stamp (core/call.c) with its status. Every
+ * operation opens with one, so a call can only pair with the same call of every peer. A rank
+ * that failed keeps its own message, the others learn who failed. */
 static epx_status_t agree(epx_comm_t *comm, const char *phase, epx_status_t mine) {
-  epx_status_t all[EPX_MAX_RANKS];
-  EPX_CHECK(epxi_group_allgather(comm->world->group, comm->rank, phase, comm->cfg.timeout_ms, &mine, sizeof mine, all));
-  if (mine != EPX_SUCCESS) return mine;
-  for (int r = 0; r < comm->nranks; r++)
-    if (all[r] != EPX_SUCCESS)
-      return epxi_fail(all[r], "%s: rank %d failed (%s)", phase, r, epx_status_string(all[r]));
-  return EPX_SUCCESS;
+  epxi_stamp_t stamp = comm->stamp, all[EPX_MAX_RANKS];
+  stamp.status = (int16_t)mine;
+  EPX_CHECK(epxi_group_allgather(comm->world->group, comm->rank, phase, comm->cfg.timeout_ms, &stamp, sizeof stamp, all));
+  return epxi_stamp_compare(all, comm->nranks, comm->rank, phase);
 }
 
 /* Shares `bytes` at `data` with the peers: peers[r] is rank r's copy, readable until the
@@ -321,9 +339,14 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
     plan_send(p);
     route_blob_pack(&p->route, blob);
   }
-  for (int l = 0; l < L; l++) {
-    p->pairs_per_local[l] = (int32_t)epxi_expert_pairs(&p->counts, me, l);
-    p->num_pairs += p->pairs_per_local[l];
+  for (int l = 0; l < L && s == EPX_SUCCESS; l++) {
+    int64_t pairs = epxi_expert_pairs(&p->counts, me, l);
+    if (pairs > INT32_MAX) /* tokens_per_local_expert is int32 */
+      s = epxi_fail(EPX_ERR_INVALID_ARGUMENT, "notify on rank %d: %lld pairs arrive for local expert %d, more than %d",
+                    me, (long long)pairs, l, INT32_MAX);
+    else
+      p->pairs_per_local[l] = (int32_t)pairs;
+    p->num_pairs += pairs;
   }
   p->block = xcalloc(L + 1, sizeof(int64_t), &s);
   if (s == EPX_SUCCESS) expert_blocks(p, me, p->block);
@@ -350,7 +373,6 @@ static epx_status_t host_handle_info(const epx_handle_t *h, epx_handle_info_t *i
   info->num_recv_pairs = p->num_pairs;
   info->num_sent_copies = 0;
   for (int64_t i = 0; i < p->route.num_tokens * p->nranks; i++) info->num_sent_copies += p->dest_row[i] >= 0;
-  info->num_dropped_pairs = p->num_dropped;
   if (tokens_per_local_expert) memcpy(tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
   return EPX_SUCCESS;
 }
@@ -361,7 +383,8 @@ static epx_status_t host_handle_info(const epx_handle_t *h, epx_handle_info_t *i
  * the plan gives it: its token row, or one row per local expert it chose. */
 /* The host backend does a whole operation in its SEND half: nothing is left for COMPLETE. */
 static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_dispatch_args_t *a) {
-  if (a->part == EPX_PART_COMPLETE) return EPX_SUCCESS;
+  /* the COMPLETE half only meets its peers', so that it pairs with nothing else */
+  if (a->part == EPX_PART_COMPLETE) return agree(comm, "dispatch:complete", EPX_SUCCESS);
   host_plan_t *p = h->impl;
   const int K = p->topk, H = p->hidden, me = p->rank;
   const int64_t T = p->route.num_tokens;
@@ -387,10 +410,17 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
         if (a->recv_probs) a->recv_probs[r] = 0.0f;
       }
     }
+  /* a row that arrives in its own type is copied, bits and all */
+  const bool copy = a->recv_dtype == a->x_dtype;
+  const size_t row_bytes = (size_t)H * epx_dtype_size(a->x_dtype);
   for (int64_t n = 0; n < p->num_recv && s == EPX_SUCCESS; n++) {
-    load_row(xs[p->recv_src[n]], a->x_dtype, p->recv_tok[n], H, row);
+    const void *src_x = xs[p->recv_src[n]];
+    load_row(src_x, a->x_dtype, p->recv_tok[n], H, row);
     if (!p->expert_layout) {
-      store_recv_row(a, a->recv_x, a->recv_scales, n, H, row);
+      if (copy)
+        copy_row(a->recv_x, n, src_x, p->recv_tok[n], row_bytes);
+      else
+        store_recv_row(a, a->recv_x, a->recv_scales, n, H, row);
       if (a->recv_topk_idx) memcpy(a->recv_topk_idx + n * K, p->recv_local + n * K, sizeof(int32_t) * K);
       if (a->recv_topk_weights) memcpy(a->recv_topk_weights + n * K, p->recv_weight + n * K, sizeof(float) * K);
       continue;
@@ -399,12 +429,14 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
       int64_t r = p->recv_row[n * K + k];
       if (r < 0) continue;
       float w = p->recv_weight[n * K + k];
-      const float *src = row;
       if (a->scale_by_probs) {
-        for (int c = 0; c < H; c++) scaled[c] = w * row[c];
-        src = scaled;
+        for (int c = 0; c < H; c++) scaled[c] = canonical(w * row[c]);
+        store_recv_row(a, a->recv_x, a->recv_scales, r, H, scaled);
+      } else if (copy) {
+        copy_row(a->recv_x, r, src_x, p->recv_tok[n], row_bytes);
+      } else {
+        store_recv_row(a, a->recv_x, a->recv_scales, r, H, row);
       }
-      store_recv_row(a, a->recv_x, a->recv_scales, r, H, src);
       if (a->recv_probs) a->recv_probs[r] = w;
     }
   }
@@ -449,6 +481,7 @@ static epx_status_t reduce_partials(const host_plan_t *p, const epx_combine_args
       load_row(a->y, a->y_dtype, row, H, y);
       for (int c = 0; c < H; c++) acc[c] += w * y[c];
     }
+    canonical_row(acc, H);
     store_row(*partials, a->y_dtype, n, H, acc);
   }
   free(acc);
@@ -457,7 +490,7 @@ static epx_status_t reduce_partials(const host_plan_t *p, const epx_combine_args
 }
 
 static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_combine_args_t *a) {
-  if (a->part == EPX_PART_COMPLETE) return EPX_SUCCESS;
+  if (a->part == EPX_PART_COMPLETE) return agree(comm, "combine:complete", EPX_SUCCESS);
   host_plan_t *p = h->impl;
   const int R = p->nranks, K = p->topk, H = p->hidden, me = p->rank;
   const int64_t T = p->route.num_tokens;
@@ -499,6 +532,7 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
       load_row(rows[d], row_dtype, r, H, y);
       for (int c = 0; c < H; c++) acc[c] += y[c];
     }
+    canonical_row(acc, H);
     store_row(a->out, a->out_dtype, t, H, acc);
     if (!a->topk_weight_grad) continue;
     for (int k = 0; k < K; k++) {
@@ -538,4 +572,5 @@ const epxi_backend_t epxi_host_backend = {
     .abort = host_abort,
     .wide_topk = true,
     .recv_budget = true,
+    .stamped = true,
 };

@@ -55,7 +55,12 @@
 #define SPIN_ROUNDS 64                 /* sched_yield polls before sleeping on the futex */
 #define NAP_NS 2000000L                /* futex sleep between liveness checks: 2 ms */
 
-enum { STATE_OK = 0, STATE_BROKEN = 1, STATE_LEFT = 2 };
+/* STATE_GIVING_UP: the rank's wait on barrier `broken_gen` ran out and it is checking, once
+ * more, whether the late peers arrived meanwhile; it then goes back to STATE_OK (they did: the
+ * barrier completes for everyone) or on to STATE_BROKEN (they did not: the barrier fails for
+ * everyone). A peer that completes that barrier waits for the outcome, so no rank can pass a
+ * barrier that another gave up on. */
+enum { STATE_OK = 0, STATE_BROKEN = 1, STATE_LEFT = 2, STATE_GIVING_UP = 3 };
 
 /* One rank's header, the first page of its file. */
 typedef struct {
@@ -64,6 +69,7 @@ typedef struct {
   _Atomic uint32_t reached;  /* barriers entered (futex word) */
   _Atomic uint32_t waiters;  /* peers sleeping on `reached` */
   _Atomic uint32_t state;    /* STATE_* */
+  _Atomic uint32_t broken_gen; /* the barrier it gave up on (written before state) */
   int32_t status;            /* why it broke: an epx_status_t ... */
   char why[512];             /* ... and the message (written before state) */
   struct {
@@ -91,6 +97,7 @@ typedef struct {
   off_t file_bytes;           /* size of the own file */
   void *common;               /* the group's common page, mapped on first use */
   uint32_t gen;               /* barriers this rank entered */
+  uint32_t waiting;           /* the barrier this rank is waiting on, 0 outside arrive_and_wait */
   int next_slot;              /* shares since the last plain barrier */
   bool broken;
   char why[512];
@@ -167,9 +174,12 @@ static epx_status_t break_group(shm_group_t *g, epx_status_t status, const char 
   if (!g->broken) {
     g->broken = true;
     shm_header_t *me = g->hdr[g->rank];
-    if (me && atomic_load(&me->state) == STATE_OK) {
+    uint32_t st = me ? atomic_load(&me->state) : STATE_LEFT;
+    if (st == STATE_OK || st == STATE_GIVING_UP) {
       me->status = status;
       memcpy(me->why, g->why, sizeof me->why);
+      /* outside a wait it will never enter the next barrier */
+      atomic_store(&me->broken_gen, g->waiting ? g->waiting : g->gen + 1);
       atomic_store(&me->state, STATE_BROKEN);
       futex_wake(&me->reached);
     }
@@ -201,9 +211,50 @@ static void list_ranks(const int *ranks, int n, char *buf, size_t size) {
 /* ---- barrier --------------------------------------------------------------------------- */
 
 /* Enters barrier g->gen + 1 (after the caller filled any slot) and waits for every peer. */
+/* Peer r's verdict on barrier `target`, which it has entered: 1 it gave up on it, -1 it is
+ * still deciding, 0 neither. */
+static int peer_verdict(const shm_group_t *g, int r, uint32_t target) {
+  uint32_t st = atomic_load(&g->hdr[r]->state);
+  if (st != STATE_BROKEN && st != STATE_GIVING_UP) return 0;
+  if (atomic_load(&g->hdr[r]->broken_gen) != target) return 0;
+  return st == STATE_BROKEN ? 1 : -1;
+}
+
+/* This rank's wait on `target` ran out with `late` ranks missing: it says so, then looks at
+ * them once more (seq_cst on both sides: a peer that arrives meanwhile either is seen here or
+ * sees this rank giving up). True when they all arrived after all. */
+static bool give_up_or_not(shm_group_t *g, uint32_t target, const int *late, int nlate) {
+  shm_header_t *mine = g->hdr[g->rank];
+  atomic_store(&mine->broken_gen, target);
+  atomic_store(&mine->state, STATE_GIVING_UP);
+  for (int i = 0; i < nlate; i++)
+    if (!reached(atomic_load(&g->hdr[late[i]]->reached), target)) return false;
+  atomic_store(&mine->state, STATE_OK);
+  return true;
+}
+
+static epx_status_t arrive_and_wait_on(shm_group_t *g, const char *phase, int timeout_ms, uint32_t target);
+
+/* Fails as broken peer r did, with its reason. */
+static epx_status_t peer_gave_up(shm_group_t *g, int r, const char *phase) {
+  char why[sizeof g->hdr[r]->why];
+  memcpy(why, g->hdr[r]->why, sizeof why);
+  why[sizeof why - 1] = '\0';
+  epx_status_t s = g->hdr[r]->status;
+  if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST) s = EPX_ERR_PEER_LOST;
+  return break_group(g, s, "rank %d, phase %s: rank %d gave up (%s)", g->rank, phase, r, why);
+}
+
 static epx_status_t arrive_and_wait(shm_group_t *g, const char *phase, int timeout_ms) {
-  const int R = g->base.nranks, me = g->rank;
   const uint32_t target = ++g->gen;
+  g->waiting = target;
+  epx_status_t s = arrive_and_wait_on(g, phase, timeout_ms, target);
+  g->waiting = 0;
+  return s;
+}
+
+static epx_status_t arrive_and_wait_on(shm_group_t *g, const char *phase, int timeout_ms, uint32_t target) {
+  const int R = g->base.nranks, me = g->rank;
   shm_header_t *mine = g->hdr[me];
   atomic_store(&mine->reached, target); /* seq_cst: ordered before the load of waiters */
   if (atomic_load(&mine->waiters)) futex_wake(&mine->reached);
@@ -217,20 +268,32 @@ static epx_status_t arrive_and_wait(shm_group_t *g, const char *phase, int timeo
       uint32_t v = atomic_load_explicit(&g->hdr[r]->reached, memory_order_acquire);
       if (!reached(v, target)) missing = r, seen = v;
     }
-    if (missing < 0) return EPX_SUCCESS;
+    /* Every peer entered the barrier: it is complete unless one of them gave up on it. */
+    int deciding = -1;
+    for (int r = 0; r < R; r++) {
+      if (r == me || !reached(atomic_load(&g->hdr[r]->reached), target)) continue;
+      int v = peer_verdict(g, r, target);
+      if (v < 0) deciding = r;
+      if (v > 0) return peer_gave_up(g, r, phase);
+    }
+    if (missing < 0 && deciding < 0) return EPX_SUCCESS;
+    if (missing < 0) { /* a peer is deciding: it takes a few loads, unless it died or stopped meanwhile */
+      if (peer_gone(g, deciding))
+        return break_group(g, EPX_ERR_PEER_LOST, "rank %d, phase %s: peer rank %d lost while it gave up", me, phase,
+                           deciding);
+      if (now_ns() >= deadline)
+        return break_group(g, EPX_ERR_TIMEOUT, "rank %d, phase %s timed out after %d ms waiting for rank %d to decide",
+                           me, phase, timeout_ms, deciding);
+      sched_yield();
+      continue;
+    }
 
     /* A peer that gave up tells why; one that left or died will never arrive. */
     for (int r = 0; r < R; r++) {
       if (r == me || reached(atomic_load_explicit(&g->hdr[r]->reached, memory_order_acquire), target)) continue;
       uint32_t st = atomic_load_explicit(&g->hdr[r]->state, memory_order_acquire);
-      if (st == STATE_BROKEN) {
-        char why[sizeof g->hdr[r]->why];
-        memcpy(why, g->hdr[r]->why, sizeof why);
-        why[sizeof why - 1] = '\0';
-        epx_status_t s = g->hdr[r]->status;
-        if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST) s = EPX_ERR_PEER_LOST;
-        return break_group(g, s, "rank %d, phase %s: rank %d gave up (%s)", me, phase, r, why);
-      }
+      if (st == STATE_GIVING_UP) continue; /* undecided: it may yet see everyone */
+      if (st == STATE_BROKEN) return peer_gave_up(g, r, phase);
       if (st == STATE_LEFT)
         return break_group(g, EPX_ERR_PEER_LOST, "rank %d, phase %s: rank %d left the group (it destroyed its world)",
                            me, phase, r);
@@ -261,6 +324,7 @@ static epx_status_t arrive_and_wait(shm_group_t *g, const char *phase, int timeo
     int64_t now = now_ns();
     if (now >= deadline) {
       if (nlate == 0) continue; /* everyone arrived meanwhile */
+      if (give_up_or_not(g, target, late, nlate)) continue;
       char list[160];
       list_ranks(late, nlate, list, sizeof list);
       return break_group(g, EPX_ERR_TIMEOUT, "rank %d, phase %s timed out after %d ms waiting for rank %s", me, phase,

@@ -15,9 +15,10 @@ int gu_have_gpu(void) {
 
 const char *gu_case_str(const gu_case_t *c) {
   static _Thread_local char buf[256];
-  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%d layout=%d align=%d %s->%s form=%d exact=%d", c->R,
-           c->E, c->H, c->K, (long long)c->T[0], (int)c->algo, (int)c->layout, c->align, tu_dtype(c->x_dtype),
-           tu_dtype(c->recv_dtype), c->form, c->exact);
+  static const char *const algo[] = {"ht", "ll", "a2a"}, *const form[] = {"topk32", "topk64", "map", "mixed"};
+  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d", c->R,
+           c->E, c->H, c->K, (long long)c->T[0], algo[c->algo], c->layout == EPX_LAYOUT_EXPERT ? "expert" : "token",
+           c->align, tu_dtype(c->x_dtype), tu_dtype(c->recv_dtype), form[c->form], c->exact);
   return buf;
 }
 
@@ -62,20 +63,11 @@ void gu_inputs_free(gu_inputs_t *in, const gu_case_t *c) {
 static int64_t rows_needed(const gu_case_t *c, const tu_moe_t *m, int d) {
   const int L = c->E / c->R;
   if (c->algo == EPX_ALGO_LL) return (int64_t)L * c->R * c->max_tokens;
-  int64_t tokens = 0, rows = 0;
-  int64_t *pairs = calloc(L, sizeof(int64_t));
-  for (int s = 0; s < c->R; s++)
-    for (int64_t t = 0; t < c->T[s]; t++) {
-      int here = 0;
-      for (int k = 0; k < c->K; k++) {
-        int e = m->idx[s][t * c->K + k];
-        if (e >= 0 && e / L == d) here = 1, pairs[e % L]++;
-      }
-      tokens += here;
-    }
-  for (int l = 0; l < L; l++) rows += (pairs[l] + c->align - 1) / c->align * c->align;
-  free(pairs);
-  return expert_rows(c) ? rows : tokens;
+  tu_expect_t ex;
+  tu_expect(m, d, c->align, &ex);
+  const int64_t rows = expert_rows(c) ? ex.nrows : ex.ntok;
+  tu_expect_free(&ex);
+  return rows;
 }
 
 /* ---- memory on either side ---------------------------------------------------------------- */
@@ -338,14 +330,15 @@ void gu_result_free(gu_result_t *r, int R) {
   memset(r, 0, sizeof *r);
 }
 
-void gu_compare_rank(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label, int r) {
+void gu_compare_rank_at(const char *file, int line, const gu_case_t *c, const gu_result_t *got, const gu_result_t *want,
+                        const char *label, int r) {
   const int H = c->H, K = c->K, L = c->E / c->R, nb = tu_nblocks(H), er = expert_rows(c);
   const int64_t cap = want->cap[r], T = c->T[r];
   char what[512];
 #define CMP(name, t, a, b, n, row)                                                  \
   do {                                                                              \
     snprintf(what, sizeof what, "%s rank %d %s [%s]", label, r, name, gu_case_str(c)); \
-    tu_check_bits(what, t, a, b, n, row);                                           \
+    check_bits_at(file, line, what, t, a, b, n, row);                              \
   } while (0)
   CMP("recv_x", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv_x[r], want->recv_x[r], cap * H, H);
   CMP("recv2", c->recv_dtype == EPX_FP8_E4M3 ? EPX_BOOL : c->recv_dtype, got->recv2[r], want->recv2[r], cap * H, H);
@@ -360,14 +353,18 @@ void gu_compare_rank(const gu_case_t *c, const gu_result_t *got, const gu_result
     CMP("recv_w", EPX_FLOAT32, got->recv_w[r], want->recv_w[r], cap * K, K);
   }
   CMP("tokens_per_local_expert", EPX_INT32, got->cnt[r], want->cnt[r], L, L);
-  CHECK(got->nrows[r] == want->nrows[r], "%s rank %d num_recv_rows %lld, host %lld", label, r,
-        (long long)got->nrows[r], (long long)want->nrows[r]);
+  if (got->nrows[r] == want->nrows[r])
+    check_pass();
+  else
+    check_fail(file, line, "same num_recv_rows", "%s rank %d num_recv_rows %lld, host %lld", label, r,
+               (long long)got->nrows[r], (long long)want->nrows[r]);
   CMP("out", c->x_dtype, got->out[r], want->out[r], T * H, H);
   CMP("out2 (dispatch gradient)", c->x_dtype, got->out2[r], want->out2[r], T * H, H);
   CMP("topk weight gradient", EPX_FLOAT32, got->wgrad[r], want->wgrad[r], T * K, K);
 #undef CMP
 }
 
-void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label) {
-  for (int r = 0; r < c->R; r++) gu_compare_rank(c, got, want, label, r);
+void gu_compare_at(const char *file, int line, const gu_case_t *c, const gu_result_t *got, const gu_result_t *want,
+                   const char *label) {
+  for (int r = 0; r < c->R; r++) gu_compare_rank_at(file, line, c, got, want, label, r);
 }

@@ -83,9 +83,14 @@ int gu_run(const gu_case_t *c, const gu_inputs_t *in, epx_backend_t backend, con
  * processes, each with its own gu_run_rank); only rank r's entries of res are filled. */
 int gu_run_rank(const gu_case_t *c, const gu_inputs_t *in, epx_world_t *world, int r, const gu_result_t *host,
                 gu_result_t *res);
-/* CHECKs every output of `got` against `want` bit for bit: every rank's, or rank r's. */
-void gu_compare(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label);
-void gu_compare_rank(const gu_case_t *c, const gu_result_t *got, const gu_result_t *want, const char *label, int r);
+/* CHECKs every output of `got` against `want` bit for bit: every rank's, or rank r's; a
+ * failure names the caller's line and the output. */
+#define gu_compare(...) gu_compare_at(TU_HERE, __VA_ARGS__)
+#define gu_compare_rank(...) gu_compare_rank_at(TU_HERE, __VA_ARGS__)
+void gu_compare_at(const char *file, int line, const gu_case_t *c, const gu_result_t *got, const gu_result_t *want,
+                   const char *label);
+void gu_compare_rank_at(const char *file, int line, const gu_case_t *c, const gu_result_t *got, const gu_result_t *want,
+                        const char *label, int r);
 void gu_result_free(gu_result_t *r, int R);
 /* "R=4 E=64 ..." for messages. */
 const char *gu_case_str(const gu_case_t *c);

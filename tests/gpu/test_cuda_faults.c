@@ -39,9 +39,8 @@ static epx_status_t rank_main(int r, void *arg) {
   /* inputs: nonzero tokens, valid routing (rank bad_rank gets one bad id) */
   uint16_t *xh = malloc(sizeof(uint16_t) * Tr * H);
   int32_t *ih = malloc(sizeof(int32_t) * Tr * K);
-  for (int64_t i = 0; i < Tr * H; i++) xh[i] = epx_float_to_bf16(0.25f + (float)(i % 7));
-  for (int64_t t = 0; t < Tr; t++)
-    for (int k = 0; k < K; k++) ih[t * K + k] = (int32_t)((t + 5 * k + r) % E);
+  tu_fixed_bf16(xh, Tr * H, 0.25f, 7, 0);
+  tu_fixed_topk(ih, Tr, K, E, r);
   if (r == f->bad_rank) ih[3 * K + 1] = E;
   void *x, *recv, *idx;
   cudaMalloc(&x, sizeof(uint16_t) * Tr * H);

@@ -4,7 +4,8 @@
  * rows), so the whole layer runs on the device.
  *   test_cuda_graph ht        high-throughput, expert layout padded to 16
  *   test_cuda_graph ll        low-latency (one launch per operation)
- *   test_cuda_graph ll-split  low-latency issued as SEND and COMPLETE halves */
+ *   test_cuda_graph ll-split  low-latency issued as SEND and COMPLETE halves
+ * A second argument sets the number of replays (default 100): fewer under compute-sanitizer. */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,13 +13,13 @@
 
 #include "gpuutil.h"
 
-enum { R = 4, E = 64, K = 8, H = 2048, T = 256, ALIGN = 16, REPLAYS = 100 };
+enum { R = 4, E = 64, K = 8, H = 2048, T = 256, ALIGN = 16, DEFAULT_REPLAYS = 100 };
 #define L (E / R)
 #define CAP_HT ((int64_t)R * T * K + (int64_t)L * ALIGN)
 #define CAP_LL ((int64_t)L * R * T)
 #define CAP (CAP_LL > CAP_HT ? CAP_LL : CAP_HT)
 
-static int low_latency, split; /* from argv */
+static int low_latency, split, replays = DEFAULT_REPLAYS; /* from argv */
 
 static epx_handle_config_t layer_config(void) {
   epx_handle_config_t hc = tu_handle_config(low_latency ? EPX_ALGO_LL : EPX_ALGO_HT, EPX_LAYOUT_EXPERT, ALIGN);
@@ -92,7 +93,7 @@ static epx_status_t rank_main(int r, graph_t *g) {
   c.y = y, c.out = out;
   cudaMemsetAsync(recv, 0, sizeof(uint16_t) * CAP * H, st); /* LL rows past the counts stay as they are */
 
-  for (int pass = 0; pass <= REPLAYS; pass++) {
+  for (int pass = 0; pass <= replays; pass++) {
     tu_barrier_wait(); /* inputs of this pass are ready */
     if (s == EPX_SUCCESS) {
       cudaMemcpyAsync(x, g->m.x[r], sizeof(uint16_t) * T * H, cudaMemcpyHostToDevice, st);
@@ -194,7 +195,7 @@ static void make_inputs(tu_moe_t *m, int replay) {
 /* The driver: inputs before each pass, the check after it. */
 static epx_status_t driver(graph_t *g) {
   tu_barrier_wait(); /* ranks allocated */
-  for (int pass = 0; pass <= REPLAYS; pass++) {
+  for (int pass = 0; pass <= replays; pass++) {
     if (pass) tu_moe_free(&g->m);
     make_inputs(&g->m, pass);
     tu_barrier_wait(); /* inputs ready */
@@ -205,7 +206,7 @@ static epx_status_t driver(graph_t *g) {
     char what[64];
     for (int r = 0; r < R && !g->failed; r++) {
       snprintf(what, sizeof what, "replay %d rank %d out", pass, r);
-      tu_check_bits(what, EPX_BFLOAT16, g->out_host[r], want[r], (int64_t)T * H, H);
+      CHECK_BITS(what, EPX_BFLOAT16, g->out_host[r], want[r], (int64_t)T * H, H);
     }
     for (int r = 0; r < R; r++) free(want[r]);
   }
@@ -224,6 +225,10 @@ int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "ht";
   low_latency = !strcmp(mode, "ll") || !strcmp(mode, "ll-split");
   split = !strcmp(mode, "ll-split");
+  if (argc > 2 && (replays = atoi(argv[2])) < 1) {
+    fprintf(stderr, "test_cuda_graph: replays must be a positive count, got '%s'\n", argv[2]);
+    return 2;
+  }
   tu_begin("test_cuda_graph");
   printf("mode: %s\n", mode);
   if (!gu_have_gpu()) return GU_SKIP;
@@ -239,7 +244,7 @@ int main(int argc, char **argv) {
     CHECK(!G.err[r][0], "rank %d: %s", r, G.err[r]);
     free(G.out_host[r]);
   }
-  printf("%d replays of the captured layer checked\n", REPLAYS);
+  printf("%d replays of the captured layer checked\n", replays);
   epx_world_destroy(G.world);
   return tu_end();
 }

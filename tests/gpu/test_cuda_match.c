@@ -1,7 +1,15 @@
 /* The CUDA backend against the host backend, bit for bit: dispatch outputs in both layouts
- * and low-latency mode, combine, and both backward passes, over fresh random routings. */
+ * and low-latency mode, combine, and both backward passes, over fresh random routings.
+ *   test_cuda_match               every case of the table
+ *   test_cuda_match --list        prints the cases with their indices, runs nothing
+ *   test_cuda_match 0,4 15-17     only the cases selected by index: comma-separated indices
+ *                                 and ranges, in one or more arguments (for slow tools such as
+ *                                 compute-sanitizer); a bad or empty selection is refused
+ * Case i draws its inputs from its own stream of the seed, so EPX_TEST_SEED=S with case i alone
+ * replays what case i got in a whole run with seed S. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gpuutil.h"
 
@@ -34,26 +42,78 @@ static const gu_row_t cases[] = {
     {2, 8, 8, 2048, 100, A2A, TOK, 1, F32, F32, TU_FORM_MAP, 0, 0},
 };
 
-int main(void) {
+#define NCASES ((int)(sizeof cases / sizeof *cases))
+
+/* Marks the cases that one argument selects ("3", "2-5", "0,4,15-17"); 0 when it does not
+ * parse or names a case the table does not have. */
+static int select_cases(const char *arg, int *selected) {
+  const char *p = arg;
+  while (*p) {
+    char *end;
+    const long lo = strtol(p, &end, 10);
+    if (end == p || lo < 0) return 0;
+    long hi = lo;
+    if (*end == '-') {
+      p = end + 1;
+      hi = strtol(p, &end, 10);
+      if (end == p) return 0;
+    }
+    if (hi < lo || hi >= NCASES) return 0;
+    for (long i = lo; i <= hi; i++) selected[i] = 1;
+    if (*end == ',')
+      end++;
+    else if (*end)
+      return 0;
+    p = end;
+  }
+  return 1;
+}
+
+static void run_case(int i) {
+  gu_case_t c = gu_case_of(&cases[i], 16);
+  double t0 = tu_now();
+  tu_rng = tu_rng_stream(tu_seed, (uint64_t)i);
+  gu_inputs_t in;
+  gu_inputs_make(&in, &c);
+  gu_result_t host, dev;
+  int hf = gu_run(&c, &in, EPX_BACKEND_HOST, NULL, &host);
+  CHECK(!hf, "host run failed [%s]", gu_case_str(&c));
+  double t1 = tu_now();
+  int df = hf ? 1 : gu_run(&c, &in, EPX_BACKEND_CUDA, &host, &dev);
+  CHECK(!df, "cuda run failed [%s]", gu_case_str(&c));
+  if (!hf && !df) gu_compare(&c, &dev, &host, "cuda vs host");
+  printf("case %2d %s: host %.2fs, cuda %.2fs\n", i, gu_case_str(&c), t1 - t0, tu_now() - t1);
+  fflush(stdout);
+  gu_result_free(&host, c.R);
+  if (!hf) gu_result_free(&dev, c.R);
+  gu_inputs_free(&in, &c);
+}
+
+static int bad_selection(const char *arg) {
+  fprintf(stderr, "test_cuda_match: bad case selection '%s' (cases 0-%d; --list shows them)\n", arg, NCASES - 1);
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  if (argc == 2 && !strcmp(argv[1], "--list")) {
+    for (int i = 0; i < NCASES; i++) {
+      gu_case_t c = gu_case_of(&cases[i], 16);
+      printf("%2d  %s\n", i, gu_case_str(&c));
+    }
+    return 0;
+  }
+  int selected[NCASES] = {0}, n = 0;
+  for (int a = 1; a < argc; a++)
+    if (!select_cases(argv[a], selected)) return bad_selection(argv[a]);
+  for (int i = 0; i < NCASES; i++) {
+    if (argc < 2) selected[i] = 1;
+    n += selected[i];
+  }
+  if (n == 0) return bad_selection(argc > 1 ? argv[1] : "");
   tu_begin("test_cuda_match");
   if (!gu_have_gpu()) return GU_SKIP;
-  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-    gu_case_t c = gu_case_of(&cases[i], 16);
-    double t0 = tu_now();
-    gu_inputs_t in;
-    gu_inputs_make(&in, &c);
-    gu_result_t host, dev;
-    int hf = gu_run(&c, &in, EPX_BACKEND_HOST, NULL, &host);
-    CHECK(!hf, "host run failed [%s]", gu_case_str(&c));
-    double t1 = tu_now();
-    int df = hf ? 1 : gu_run(&c, &in, EPX_BACKEND_CUDA, &host, &dev);
-    CHECK(!df, "cuda run failed [%s]", gu_case_str(&c));
-    if (!hf && !df) gu_compare(&c, &dev, &host, "cuda vs host");
-    printf("case %2zu %s: host %.2fs, cuda %.2fs\n", i, gu_case_str(&c), t1 - t0, tu_now() - t1);
-    fflush(stdout);
-    gu_result_free(&host, c.R);
-    if (!hf) gu_result_free(&dev, c.R);
-    gu_inputs_free(&in, &c);
-  }
+  printf("%d of %d cases\n", n, NCASES);
+  for (int i = 0; i < NCASES; i++)
+    if (selected[i]) run_case(i);
   return tu_end();
 }

@@ -101,9 +101,9 @@ static void boot_main(mp_ctx_t *ctx) {
   char tag[96];
   snprintf(tag, sizeof tag, "[%s, %s, process %d]", bc->name, mp_boot_name(ctx->boot), me);
   epx_world_t *w = NULL;
-  double t0 = mp_now();
+  double t0 = tu_now();
   epx_status_t s = mp_world_create(ctx, n, bc->claim_rank[me], &w);
-  double secs = mp_now() - t0;
+  double secs = tu_now() - t0;
   CHECK_STATUS(s, bc->want, "%s world", tag);
   CHECK(contains(epx_last_error(), bc->words), "%s: the message lacks \"%s\": %s", tag, bc->words, epx_last_error());
   CHECK(secs <= bc->max_s && secs >= bc->min_s, "%s: failed after %.3f s, want [%.1f, %.1f]", tag, secs, bc->min_s,
@@ -184,9 +184,9 @@ static void args_main(mp_ctx_t *ctx) {
     /* the group formed: its listener is gone */
     struct timespec ts = {0, 200000000L};
     nanosleep(&ts, NULL);
-    double t0 = mp_now();
+    double t0 = tu_now();
     CHECK_STATUS(epx_world_create_rank(&wc, &id, 0, &w), EPX_ERR_PEER_LOST, "a used id");
-    CHECK(mp_now() - t0 < 1.0, "a used id took %.3f s to fail", mp_now() - t0);
+    CHECK(tu_now() - t0 < 1.0, "a used id took %.3f s to fail", tu_now() - t0);
   }
 
   /* The CUDA backend spans processes where it runs (tests/gpu/test_cuda_mp checks that) and
@@ -198,18 +198,18 @@ static void args_main(mp_ctx_t *ctx) {
 }
 
 int main(void) {
-  mp_begin("test_mp_errors");
+  tu_begin("test_mp_errors");
   setenv("EPX_TIMEOUT_MS", "10000", 1);
   char shm_before[8192];
   mp_shm_list(shm_before, sizeof shm_before);
-  mp_rng_t g = mp_rng(mp_seed, 77);
+  tu_rng_t g = tu_rng_stream(tu_seed, 77);
 
   printf("-- config mismatch\n");
   {
-    mismatch_t a = {.nranks = 4, .odd_rank = mp_int(&g, 1, 3), .field = "hidden"};
+    mismatch_t a = {.nranks = 4, .odd_rank = tu_int(&g, 1, 3), .field = "hidden"};
     mp_launch_t l = {.nprocs = a.nranks, .boot = MP_BOOT_ID, .limit_s = 60};
     mp_launch(&l, mismatch_main, &a);
-    mismatch_t b = {.nranks = 3, .odd_rank = mp_int(&g, 1, 2), .field = "num_experts"};
+    mismatch_t b = {.nranks = 3, .odd_rank = tu_int(&g, 1, 2), .field = "num_experts"};
     l = (mp_launch_t){.nprocs = b.nranks, .boot = MP_BOOT_CALLBACK, .limit_s = 60};
     mp_launch(&l, mismatch_main, &b);
     mismatch_t c = {.nranks = 2, .odd_rank = 1, .field = "topk"};
@@ -242,9 +242,9 @@ int main(void) {
     boot_case_t bc = {.name = "never joins", .nranks = 4, .claim_rank = {0, 1, 2}, .want = EPX_ERR_TIMEOUT,
                       .words = "rank 3 never joined", .min_s = 1.2, .max_s = 6};
     mp_launch_t l = {.nprocs = 3, .boot = MP_BOOT_ID, .limit_s = 60};
-    double t0 = mp_now();
+    double t0 = tu_now();
     mp_launch(&l, boot_main, &bc);
-    printf("   %.2f s\n", mp_now() - t0);
+    printf("   %.2f s\n", tu_now() - t0);
     setenv("EPX_TIMEOUT_MS", "10000", 1);
   }
 
@@ -257,5 +257,5 @@ int main(void) {
   char extra[1024];
   int n = mp_shm_new(shm_before, extra, sizeof extra);
   CHECK(n == 0, "/dev/shm has %d new epx entries: %s", n, extra);
-  return mp_end();
+  return tu_end();
 }

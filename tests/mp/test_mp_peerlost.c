@@ -42,14 +42,14 @@ typedef struct {
   epx_comm_t *comm;
   epx_handle_t *h;
   int me;
-  mp_moe_t m;
+  tu_moe_t m;
   void *recv, *y, *out;
   int64_t rows;
 } pipe_t;
 
 static epx_status_t do_notify(pipe_t *p, int iter) {
-  mp_moe_free(&p->m);
-  mp_moe_make(&p->m, mp_seed, (uint64_t)iter, R, R * L, H, K, EPX_BFLOAT16, MAXT);
+  tu_moe_free(&p->m);
+  tu_moe_stream(&p->m, tu_seed, (uint64_t)iter, R, R * L, H, K, EPX_BFLOAT16, MAXT);
   epx_routing_t rt = {.num_tokens = p->m.T[p->me], .idx_dtype = EPX_INT32, .topk_idx = p->m.idx[p->me],
                       .topk_weights = p->m.w[p->me]};
   return epx_notify(p->comm, p->h, &rt);
@@ -110,7 +110,65 @@ static void check_failure(const case_t *c, const char *tag, const char *what, ep
     CHECK(secs < 0.75 * c->timeout_ms / 1000.0, "%s: %s took %.3f s to see the loss (timeout %d ms)", tag, what, secs,
           c->timeout_ms);
   }
-  CHECK(mp_names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
+  CHECK(tu_names_rank(msg, c->victim), "%s: the message of %s does not name rank %d: %s", tag, what, c->victim, msg);
+}
+
+/* After a good comm_init: a good pipeline, then the pipelines until the victim's failure
+ * shows, the verdict on it, and that the group stays broken. The victim's own objects may be
+ * released on the way (die_or_stall). */
+static void run_to_failure(const case_t *c, const char *tag, bool victim, pipe_t *p, epx_world_t **world,
+                           epx_comm_t **comm, epx_handle_t **h) {
+  epx_handle_config_t hc;
+  epx_handle_config_init(&hc);
+  CHECK_STATUS(epx_handle_create(*comm, &hc, h), EPX_SUCCESS, "%s handle", tag);
+  p->comm = *comm, p->h = *h;
+
+  /* one good pipeline first (the loop case has no "before": the kill may come any time) */
+  if (c->stage != AT_LOOP) {
+    CHECK_STATUS(do_notify(p, 0), EPX_SUCCESS, "%s first notify", tag);
+    CHECK_STATUS(do_dispatch(p), EPX_SUCCESS, "%s first dispatch", tag);
+    CHECK_STATUS(do_combine(p), EPX_SUCCESS, "%s first combine", tag);
+  }
+
+  epx_status_t s = EPX_SUCCESS;
+  const char *what = "?";
+  double t0 = tu_now(), secs;
+  if (c->stage == AT_LOOP) {
+    /* until the parent's kill shows (the victim loops too, until it is killed) */
+    double end = tu_now() + 60;
+    for (int it = 0; s == EPX_SUCCESS && tu_now() < end; it++) {
+      t0 = tu_now(), what = "notify", s = do_notify(p, it);
+      if (s == EPX_SUCCESS) t0 = tu_now(), what = "dispatch", s = do_dispatch(p);
+      if (s == EPX_SUCCESS) t0 = tu_now(), what = "combine", s = do_combine(p);
+    }
+    secs = tu_now() - t0;
+  } else {
+    if (victim && c->stage == AT_NOTIFY) die_or_stall(c, world, comm, h);
+    if (*comm) t0 = tu_now(), what = "notify", s = do_notify(p, 1);
+    if (s == EPX_SUCCESS && victim && c->stage == AT_DISPATCH) die_or_stall(c, world, comm, h);
+    if (s == EPX_SUCCESS && *comm) t0 = tu_now(), what = "dispatch", s = do_dispatch(p);
+    if (s == EPX_SUCCESS && victim && c->stage == AT_COMBINE) die_or_stall(c, world, comm, h);
+    if (s == EPX_SUCCESS && *comm) t0 = tu_now(), what = "combine", s = do_combine(p);
+    secs = tu_now() - t0;
+  }
+
+  if (!victim) {
+    CHECK(strcmp(what, stage_name[c->stage]) == 0 || c->stage == AT_LOOP, "%s: %s failed, not %s", tag, what,
+          stage_name[c->stage]);
+    check_failure(c, tag, what, s, secs);
+  } else if (*comm) { /* the late rank */
+    CHECK(s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST, "%s: the late rank's %s gave %s (%s)", tag, what,
+          epx_status_string(s), epx_last_error());
+    CHECK(secs < 1.0, "%s: the late rank took %.3f s to fail", tag, secs);
+  }
+  if (*comm) {
+    /* broken for good */
+    CHECK_STATUS(do_notify(p, 99), EPX_ERR_BROKEN, "%s: a call after the failure", tag);
+    epx_dispatch_args_t a;
+    epx_dispatch_args_init(&a);
+    a.recv_x = p->recv ? p->recv : (void *)&a;
+    CHECK_STATUS(epx_dispatch(*comm, *h, NULL, &a), EPX_ERR_BROKEN, "%s: a dispatch after the failure", tag);
+  }
 }
 
 static void rank_main(mp_ctx_t *ctx) {
@@ -136,9 +194,9 @@ static void rank_main(mp_ctx_t *ctx) {
   epx_comm_t *comm = NULL;
 
   if (victim && c->stage == AT_INIT) die_or_stall(c, &world, &comm, &h);
-  double t0 = mp_now();
+  double t0 = tu_now();
   epx_status_t s = world ? epx_comm_init(world, me, &cfg, &comm) : EPX_ERR_BROKEN;
-  double secs = mp_now() - t0;
+  double secs = tu_now() - t0;
   if (c->stage == AT_INIT) {
     if (!victim) check_failure(c, tag, "comm_init", s, secs);
     if (victim && c->how == HOW_HANG)
@@ -158,60 +216,11 @@ static void rank_main(mp_ctx_t *ctx) {
     epx_world_destroy(world);
     return;
   }
-  epx_handle_config_t hc;
-  epx_handle_config_init(&hc);
-  CHECK_STATUS(epx_handle_create(comm, &hc, &h), EPX_SUCCESS, "%s handle", tag);
-  p.comm = comm, p.h = h;
-
-  /* one good pipeline first (the loop case has no "before": the kill may come any time) */
-  if (c->stage != AT_LOOP) {
-    CHECK_STATUS(do_notify(&p, 0), EPX_SUCCESS, "%s first notify", tag);
-    CHECK_STATUS(do_dispatch(&p), EPX_SUCCESS, "%s first dispatch", tag);
-    CHECK_STATUS(do_combine(&p), EPX_SUCCESS, "%s first combine", tag);
-  }
-
-  s = EPX_SUCCESS;
-  const char *what = "?";
-  if (c->stage == AT_LOOP) {
-    /* until the parent's kill shows (the victim loops too, until it is killed) */
-    double end = mp_now() + 60;
-    for (int it = 0; s == EPX_SUCCESS && mp_now() < end; it++) {
-      t0 = mp_now(), what = "notify", s = do_notify(&p, it);
-      if (s == EPX_SUCCESS) t0 = mp_now(), what = "dispatch", s = do_dispatch(&p);
-      if (s == EPX_SUCCESS) t0 = mp_now(), what = "combine", s = do_combine(&p);
-    }
-    secs = mp_now() - t0;
-  } else {
-    if (victim && c->stage == AT_NOTIFY) die_or_stall(c, &world, &comm, &h);
-    if (comm) t0 = mp_now(), what = "notify", s = do_notify(&p, 1);
-    if (s == EPX_SUCCESS && victim && c->stage == AT_DISPATCH) die_or_stall(c, &world, &comm, &h);
-    if (s == EPX_SUCCESS && comm) t0 = mp_now(), what = "dispatch", s = do_dispatch(&p);
-    if (s == EPX_SUCCESS && victim && c->stage == AT_COMBINE) die_or_stall(c, &world, &comm, &h);
-    if (s == EPX_SUCCESS && comm) t0 = mp_now(), what = "combine", s = do_combine(&p);
-    secs = mp_now() - t0;
-  }
-
-  if (!victim) {
-    CHECK(strcmp(what, stage_name[c->stage]) == 0 || c->stage == AT_LOOP, "%s: %s failed, not %s", tag, what,
-          stage_name[c->stage]);
-    check_failure(c, tag, what, s, secs);
-  } else if (comm) { /* the late rank */
-    CHECK(s == EPX_ERR_TIMEOUT || s == EPX_ERR_PEER_LOST, "%s: the late rank's %s gave %s (%s)", tag, what,
-          epx_status_string(s), epx_last_error());
-    CHECK(secs < 1.0, "%s: the late rank took %.3f s to fail", tag, secs);
-  }
-  if (comm) {
-    /* broken for good */
-    CHECK_STATUS(do_notify(&p, 99), EPX_ERR_BROKEN, "%s: a call after the failure", tag);
-    epx_dispatch_args_t a;
-    epx_dispatch_args_init(&a);
-    a.recv_x = p.recv ? p.recv : (void *)&a;
-    CHECK_STATUS(epx_dispatch(comm, h, NULL, &a), EPX_ERR_BROKEN, "%s: a dispatch after the failure", tag);
-  }
+  run_to_failure(c, tag, victim, &p, &world, &comm, &h);
   epx_handle_destroy(h);
   epx_comm_destroy(comm);
   epx_world_destroy(world);
-  mp_moe_free(&p.m);
+  tu_moe_free(&p.m);
   free(p.recv), free(p.y), free(p.out);
 released:
   /* everything released, after a failure too (process 0 of a unique-id launch also ran the
@@ -223,11 +232,11 @@ released:
 }
 
 int main(void) {
-  mp_begin("test_mp_peerlost");
+  tu_begin("test_mp_peerlost");
   setenv("EPX_TIMEOUT_MS", "10000", 1); /* the bootstrap's bound; the comms use c.timeout_ms */
   char shm_before[8192];
   mp_shm_list(shm_before, sizeof shm_before);
-  mp_rng_t g = mp_rng(mp_seed, 4242);
+  tu_rng_t g = tu_rng_stream(tu_seed, 4242);
 
   const case_t cases[] = {
       {AT_INIT, HOW_KILL, 0, 0},        {AT_NOTIFY, HOW_KILL, 0, 0},      {AT_DISPATCH, HOW_KILL, 0, 0},
@@ -238,20 +247,20 @@ int main(void) {
   for (int i = 0; i < ncases; i++)
     for (int b = 0; b < 2; b++) {
       case_t c = cases[i];
-      c.victim = mp_int(&g, 0, R - 1);
+      c.victim = tu_int(&g, 0, R - 1);
       c.timeout_ms = c.how == HOW_HANG ? HANG_TIMEOUT_MS : KILL_TIMEOUT_MS;
       if (c.how == HOW_HANG && b == 1) continue; /* one bootstrap is enough for the slow case */
       mp_launch_t l = {.nprocs = R, .boot = (mp_boot_t)b, .limit_s = 60};
       if (c.how == HOW_KILL || c.how == HOW_PARENT_KILL) l.expect_signal[c.victim] = SIGKILL;
-      if (c.how == HOW_PARENT_KILL) l.kill_after_s[c.victim] = 0.2 + 0.6 * (double)mp_int(&g, 0, 1000) / 1000.0;
+      if (c.how == HOW_PARENT_KILL) l.kill_after_s[c.victim] = 0.2 + 0.6 * (double)tu_int(&g, 0, 1000) / 1000.0;
       printf("-- %s bootstrap: rank %d %s at %s\n", mp_boot_name(l.boot), c.victim, how_name[c.how],
              stage_name[c.stage]);
-      double t0 = mp_now();
+      double t0 = tu_now();
       mp_launch(&l, rank_main, &c);
-      printf("   %.2f s\n", mp_now() - t0);
+      printf("   %.2f s\n", tu_now() - t0);
       char extra[1024];
       int n = mp_shm_new(shm_before, extra, sizeof extra);
       CHECK(n == 0, "/dev/shm has %d new epx entries after the run: %s", n, extra);
     }
-  return mp_end();
+  return tu_end();
 }

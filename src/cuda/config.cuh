@@ -1,0 +1,49 @@
+/* The kernels' compile-time constants, in one place. Block sizes, unrolling and chunking
+ * change how work is spread, never the bits: every sum's order is fixed by the data, not by
+ * the launch. The fp8 constants are part of the arithmetic and do change bits. */
+#ifndef EPX_CUDA_CONFIG_CUH
+#define EPX_CUDA_CONFIG_CUH
+
+#include "epx.h"
+
+/* ---- launches --------------------------------------------------------------------------- */
+
+#define EPXC_WARP 32                /* lanes of a warp */
+#define EPXC_THREADS 1024           /* work kernels: ht.cu, a2a.cu, stage.cu */
+#define EPXC_WARPS (EPXC_THREADS / EPXC_WARP)
+/* Low-latency kernels wait on their own first block, so all blocks of every rank sharing a
+ * GPU must be resident at once: half-size blocks leave room for two per SM. */
+#define EPXC_LL_THREADS 512
+#define EPXC_LL_BLOCKS_PER_SM 2
+#define EPXC_EXCHANGE_THREADS 64    /* the one-block exchange kernel: thread r talks to rank r */
+#define EPXC_LAYOUT_THREADS 256     /* layout: a thread per token */
+#define EPXC_NOTIFY_THREADS 512     /* notify's build (a thread per token) and prefix (a warp per row) */
+#define EPXC_FINISH_THREADS 1024    /* notify's one-block finish: thread r reads rank r's plan */
+
+static_assert(EPX_MAX_RANKS <= EPXC_EXCHANGE_THREADS, "the exchange gives every rank a thread");
+static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and placement give every rank a thread");
+
+/* ---- rows ------------------------------------------------------------------------------- */
+
+#define EPXC_LANE_CHANNELS 8        /* channels a lane moves at once (one 16-byte bf16 vector) */
+#define EPXC_CHUNK_CHANNELS (EPXC_LANE_CHANNELS * EPXC_WARP) /* 256: channels a warp moves at once */
+#define EPXC_UNROLL 4               /* 16-byte vectors a lane loads before it stores any (copy_row_raw) */
+/* Bitmap rows of up to this many 32-bit words (a decode step's) get a lane each in the prefix
+ * popcounts, their words loaded at once; longer rows get a warp. */
+#define EPXC_PREFIX_LANE_WORDS 8
+
+/* ---- waits ------------------------------------------------------------------------------ */
+
+#define EPXC_POLL_MASK 63           /* a wait checks the clock and the peer's error word every 64 spins */
+
+/* ---- fp8 (part of the arithmetic) --------------------------------------------------------- */
+
+#define EPXC_FP8_MAX 448.0f         /* e4m3's largest finite value: a block's amax maps to it */
+#define EPXC_FP8_AMAX_FLOOR 1e-4f   /* amax below this (a block of zeros) scales as this */
+#define EPXC_FP8_BLOCK_LANES (EPX_FP8_BLOCK / EPXC_LANE_CHANNELS) /* 16 lanes share one scale */
+
+/* ---- tracing (-DEPX_LL_TRACE) --------------------------------------------------------------- */
+
+#define EPXC_LL_TRACE_POINTS 8      /* phase times a low-latency launch keeps */
+
+#endif

@@ -1,0 +1,121 @@
+/* Waiting and reporting: a rank's stream waited for (across processes while watching for lost
+ * peers), and the error words the kernels record turned into a status and a message. */
+#include <stdatomic.h>
+#include <time.h>
+
+#include "cuda/backend.h"
+
+static const char *const phase_names[EPXC_PH_COUNT] = {
+    [EPXC_PH_NOTIFY] = "notify",       [EPXC_PH_NOTIFY_DONE] = "notify (closing)",
+    [EPXC_PH_DISPATCH] = "dispatch",   [EPXC_PH_DISPATCH_DONE] = "dispatch (closing)",
+    [EPXC_PH_COMBINE] = "combine",     [EPXC_PH_COMBINE_DONE] = "combine (closing)",
+    [EPXC_PH_LL_DISPATCH] = "low-latency dispatch", [EPXC_PH_LL_COMBINE] = "low-latency combine",
+    [EPXC_PH_LAYOUT] = "layout",
+};
+
+/* ---- across processes: lost peers ------------------------------------------------------------ */
+
+/* A peer whose process is gone (or that left) never posts again: say so in its error word,
+ * which every device wait on it checks, so every rank's kernels stop now rather than at the
+ * timeout. Its own process can no longer write that word. */
+static void mark_lost_peers(const epx_comm_t *c) {
+  cuda_world_t *cw = c->world->impl;
+  for (int r = 0; r < c->nranks; r++) {
+    if (r == c->rank || !epxi_group_peer_lost(c->world->group, r)) continue;
+    volatile epxc_error_t *e = &cw->errors_host[r];
+    if (fatal_status(e->status)) continue;
+    e->phase = -1;
+    e->peer = r;
+    e->detail = 0;
+    atomic_thread_fence(memory_order_seq_cst);
+    e->status = EPX_ERR_PEER_LOST;
+  }
+}
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Waits for the stream's work. Across processes it polls (busily at first: most waits are
+ * short), looking for lost peers every millisecond meanwhile. */
+cudaError_t wait_stream(const epx_comm_t *c, cudaStream_t st) {
+  if (!((cuda_world_t *)c->world->impl)->shared) return cudaStreamSynchronize(st);
+  const int64_t start = now_ns();
+  for (int64_t checked = start;;) {
+    const cudaError_t e = cudaStreamQuery(st);
+    if (e != cudaErrorNotReady) return e;
+    const int64_t now = now_ns();
+    if (now - checked >= 1000000) {
+      mark_lost_peers(c);
+      checked = now;
+    }
+    if (now - start > 200000) {
+      const struct timespec nap = {0, 50000L};
+      nanosleep(&nap, NULL);
+    }
+  }
+}
+
+/* ---- reports ---------------------------------------------------------------------------- */
+
+/* Turns this rank's error word into a status and message. Fatal ones only, unless `all`. */
+epx_status_t report(epx_comm_t *c, bool all) {
+  cuda_world_t *cw = c->world->impl;
+  volatile epxc_error_t *e = &cw->errors_host[c->rank];
+  int status = e->status;
+  if (!status) return EPX_SUCCESS;
+  bool fatal = fatal_status(status);
+  if (!fatal && !all) return EPX_SUCCESS;
+  const int phase = e->phase, peer = e->peer;
+  const long long detail = (long long)e->detail;
+  const char *ph = phase >= 0 && phase < EPXC_PH_COUNT ? phase_names[phase] : "?";
+  /* The rank a fatal failure started at: the one waited for, or, when this rank stopped
+   * because a peer failed first, whatever that peer stopped on, and so on. */
+  int root = peer;
+  for (int hops = 0; fatal && hops < c->nranks && root >= 0 && root < c->nranks && root != c->rank; hops++) {
+    if (cw->shared && epxi_group_peer_lost(c->world->group, root)) break;
+    const volatile epxc_error_t *pe = &cw->errors_host[root];
+    if ((pe->status != EPX_ERR_BROKEN && pe->status != EPX_ERR_TIMEOUT) || pe->peer == root) break;
+    root = pe->peer;
+  }
+  epx_status_t s;
+  if (fatal && cw->shared && root != c->rank && epxi_group_peer_lost(c->world->group, root))
+    s = epxi_fail(EPX_ERR_PEER_LOST, "rank %d: %s stopped: rank %d's process is gone (it died or left the group)",
+                  c->rank, ph, root);
+  else if (status == EPX_ERR_TIMEOUT)
+    s = epxi_fail(EPX_ERR_TIMEOUT, "rank %d: %s timed out after %lld ms waiting for rank %d", c->rank, ph, detail, peer);
+  else if (status == EPX_ERR_BROKEN && root != peer && root >= 0 && root < c->nranks)
+    s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d failed first (it stopped on rank %d: %s)", c->rank, ph,
+                  peer, root, epx_status_string((epx_status_t)cw->errors_host[root].status));
+  else if (status == EPX_ERR_BROKEN)
+    s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d failed first (%s)", c->rank, ph, peer,
+                  epx_status_string((epx_status_t)detail));
+  else if (status == EPX_ERR_OUTPUT_TOO_SMALL)
+    s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "rank %d: %s: %lld rows arrive but recv_capacity is smaller; nothing written",
+                  c->rank, ph, detail);
+  else
+    s = epxi_fail((epx_status_t)status, "rank %d: %s: rank %d failed (%s)", c->rank, ph, peer,
+                  epx_status_string((epx_status_t)status));
+  if (!fatal) e->status = 0; /* reported; the comm stays usable */
+  return s;
+}
+
+epx_status_t cuda_poll(epx_comm_t *c) { return report(c, false); }
+
+epx_status_t cuda_synchronize(epx_comm_t *c) {
+  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
+  CUDA_TRY(wait_stream(c, stream_of(c)), "cudaStreamSynchronize");
+  return report(c, true);
+}
+
+/* The caller returns this rank's failure with its own message: drop the device's record of
+ * the same thing (the exchange recorded it as "rank r failed"), and nothing else. */
+void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st) {
+  if (capturing(st)) return; /* the record then stays, for epx_comm_synchronize to report */
+  wait_stream(c, st);
+  volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
+  if (e->status == (int32_t)status && e->peer == c->rank) e->status = 0;
+}
+
