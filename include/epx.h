@@ -14,7 +14,10 @@
  *   epx_handle_t  the plan of one dispatch (who sent what where), reused by combine and by
  *                 both backward passes. Create once per comm and algorithm, then re-plan it
  *                 with new routings as often as you like (its storage is sized once, which is
- *                 what lets low-latency mode live inside a CUDA graph).
+ *                 what lets low-latency mode live inside a CUDA graph). Any number of handles
+ *                 may hold plans at once (a framework keeps one per MoE layer until that
+ *                 layer's backward); the host backend's plan holds memory in proportion to
+ *                 what it routed.
  *
  * Collective calls (epx_comm_init, epx_notify, epx_dispatch, epx_combine) must be made by
  * every rank of the group. A call blocks (CPU backend) or enqueues on the comm's stream
@@ -77,7 +80,7 @@ EPX_API int epx_get_version(void);
 
 /* Limits the API checks against. */
 #define EPX_MAX_RANKS 64
-#define EPX_MAX_TOPK 16
+#define EPX_MAX_TOPK 32   /* the CUDA backend takes up to 16 (EPX_ERR_UNSUPPORTED at epx_comm_init) */
 #define EPX_MAX_EXPERTS 4096
 #define EPX_MAX_HIDDEN 65536
 #define EPX_FP8_BLOCK 128 /* channels per fp8 scale */
@@ -209,7 +212,9 @@ typedef struct {
   int num_experts;          /* E, a multiple of the group size */
   int hidden;               /* H */
   int topk;                 /* K, 1..EPX_MAX_TOPK */
-  int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers */
+  int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers. Ranks
+                               may pass different values: epx_comm_init takes the group's largest
+                               (epx_comm_config shows it), so every rank's tokens fit */
   int num_sms;              /* SM budget of every GPU launch of this comm (default 16) */
   int timeout_ms;           /* bound of every wait; 0 takes EPX_TIMEOUT_MS (default 30000) */
   int ranks_per_node;       /* ranks per node (GPUs joined by NVLink; nodes joined by a network):
@@ -223,7 +228,7 @@ EPX_API void epx_config_init(epx_config_t *cfg);
 
 /* Collective over the group. Checks the config, then compares it with every other rank's:
  * any difference fails on every rank with EPX_ERR_CONFIG_MISMATCH naming the field and the
- * ranks. */
+ * ranks, except max_tokens_per_rank (the group's maximum is taken) and timeout_ms. */
 EPX_API epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm);
 EPX_API epx_status_t epx_comm_destroy(epx_comm_t *comm);
 EPX_API int epx_comm_rank(const epx_comm_t *comm);
@@ -277,6 +282,13 @@ EPX_API epx_status_t epx_topk_to_map(int64_t num_tokens, int num_experts, int to
  *   is_token_in_rank [T, R]: bool */
 EPX_API epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
+/* The same layout from the group's shape alone, before any comm exists (a framework asks for
+ * the layout before it knows the hidden size): nranks ranks of num_experts / nranks experts
+ * each, K = topk columns of topk_idx. Host memory only; validates the routing as
+ * epx_notify does. */
+EPX_API epx_status_t epx_layout_counts(int nranks, int num_experts, int topk, const epx_routing_t *routing,
+                                       int32_t *tokens_per_rank, int32_t *tokens_per_expert,
+                                       uint8_t *is_token_in_rank);
 
 /* ------------------------------------------------------------------------------------------
  * Handles: the plan of one dispatch.
@@ -301,6 +313,11 @@ typedef struct {
   int exact;            /* CUDA: 1 = epx_notify waits for the counts so the host knows them;
                            0 = sync-free, counts stay on the device. The host backend always
                            knows them. */
+  int64_t recv_budget;  /* expert layout, EPX_ALGO_HT: at most this many rows (padding included)
+                           arrive on this rank; pairs past it are dropped (docs/design.md,
+                           "Receive budget"). 0 = no budget. Ranks may pass different budgets.
+                           Backends that cannot drop yet (CUDA) refuse a budget with
+                           EPX_ERR_UNSUPPORTED at epx_handle_create. */
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
@@ -393,6 +410,10 @@ typedef struct {
   int scale_by_probs;         /* expert layout: multiply each row by its weight (float32
                                  product, rounded once): combine's backward */
   epx_part_t part;            /* EPX_PART_ALL unless split (see epx_part_t) */
+  int32_t *dropped;           /* optional: [1], where the backend computes: the pairs the whole
+                                 group dropped past its receive budgets in this plan, 0 when
+                                 none (the same on every rank). Written by backends that take a
+                                 budget; the others (which refuse one) leave it as it is */
 } epx_dispatch_args_t;
 
 EPX_API void epx_dispatch_args_init(epx_dispatch_args_t *args);

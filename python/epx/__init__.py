@@ -57,6 +57,8 @@ from .results import DispatchResult, HandleInfo, Layout, NodeTraffic
 from .routing import map_to_topk, topk_to_map
 from .world import World, get_unique_id, run_threads
 
+from .layout import layout_counts
+
 from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx and CMake
 
 __all__ = [
@@ -70,5 +72,5 @@ __all__ = [
     "SystemCallError", "CudaError", "BrokenCommError", "InternalError", "error_class",
     "backend_available", "backend_unavailable_reason", "library_path", "status_string", "get_unique_id",
     "map_to_topk", "topk_to_map", "float32_to_bf16_bits", "bf16_bits_to_float32", "e4m3_to_float32",
-    "quantize_e4m3", "dequantize_e4m3", "run_threads",
+    "quantize_e4m3", "dequantize_e4m3", "run_threads", "layout_counts",
 ]

@@ -62,7 +62,7 @@ VERSION_CODE = VERSION_MAJOR * 10000 + VERSION_MINOR * 100 + VERSION_PATCH
 # ---- constants (epx.h) ------------------------------------------------------------------
 
 MAX_RANKS = 64
-MAX_TOPK = 16
+MAX_TOPK = 32
 MAX_EXPERTS = 4096
 MAX_HIDDEN = 65536
 FP8_BLOCK = 128
@@ -192,6 +192,7 @@ class HandleConfig(Structure):
         ("layout", c_enum),
         ("align", c_int),
         ("exact", c_int),
+        ("recv_budget", c_int64),
     ]
 
 
@@ -230,6 +231,7 @@ class DispatchArgs(Structure):
         ("num_recv_rows", c_void_p),  # int64_t *
         ("scale_by_probs", c_int),
         ("part", c_enum),  # epx_part_t: 0 all, 1 send, 2 complete
+        ("dropped", c_void_p),  # int32_t *
     ]
 
 
@@ -288,6 +290,7 @@ _FUNCTIONS = {
     "epx_map_to_topk": (c_enum, [c_int64, c_int, c_int, _P, _P, _P, _P]),
     "epx_topk_to_map": (c_enum, [c_int64, c_int, c_int, c_enum, _P, _P, _P, _P]),
     "epx_get_layout": (c_enum, [_P, POINTER(Routing), _P, _P, _P]),
+    "epx_layout_counts": (c_enum, [c_int, c_int, c_int, POINTER(Routing), _P, _P, _P]),
     "epx_handle_config_init": (None, [POINTER(HandleConfig)]),
     "epx_handle_create": (c_enum, [_P, POINTER(HandleConfig), POINTER(_P)]),
     "epx_handle_destroy": (c_enum, [_P]),

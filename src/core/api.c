@@ -220,7 +220,7 @@ typedef struct {
 } config_vote_t;
 
 /* The fields ranks must agree on (timeouts may differ). */
-#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(max_tokens_per_rank) X(num_sms) X(ranks_per_node)
+#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(num_sms) X(ranks_per_node)
 
 static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int rank) {
   if (votes[rank].status != EPX_SUCCESS) return votes[rank].status; /* its own message stands */
@@ -240,6 +240,21 @@ static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int 
   return EPX_SUCCESS;
 }
 
+/* Ranks may see different token counts (uneven batches): every rank sizes for the largest. */
+static int group_max_tokens(const config_vote_t *votes, int nranks) {
+  int m = 0;
+  for (int r = 0; r < nranks; r++)
+    if (votes[r].cfg.max_tokens_per_rank > m) m = votes[r].cfg.max_tokens_per_rank;
+  return m;
+}
+
+static epx_status_t check_backend_config(const epx_world_t *world, const epx_config_t *c) {
+  if (!world->ops->wide_topk && c->topk > EPXI_NARROW_TOPK)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "config.topk %d: the %s backend takes top-k up to %d (EPX_MAX_TOPK %d is the "
+                     "host backend's)", c->topk, world->ops->name, EPXI_NARROW_TOPK, EPX_MAX_TOPK);
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm) {
   epxi_clear_error();
   if (!world || !cfg || !comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_init: world, config and comm are required");
@@ -250,6 +265,7 @@ epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg
                      "rank %d is not driven by this world: it drives ranks [%d, %d) of a group of %d", rank,
                      world->first_rank, world->first_rank + world->num_local, world->nranks);
   config_vote_t mine = {.status = check_config(cfg, world->nranks), .cfg = *cfg};
+  if (mine.status == EPX_SUCCESS) mine.status = check_backend_config(world, cfg);
   if (mine.cfg.num_sms == 0) mine.cfg.num_sms = epxi_env()->num_sms;
   if (mine.cfg.timeout_ms == 0) mine.cfg.timeout_ms = epxi_env()->timeout_ms;
   mine.cfg.ranks_per_node = epxi_nodes_resolve(mine.cfg.ranks_per_node, world->nranks);
@@ -258,6 +274,7 @@ epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg
                                  votes));
   EPX_CHECK(compare_configs(votes, world->nranks, rank));
   EPX_CHECK(epxi_nodes_supported(world->ops, &mine.cfg, world->nranks));
+  mine.cfg.max_tokens_per_rank = group_max_tokens(votes, world->nranks);
 
   epx_comm_t *c = calloc(1, sizeof *c);
   if (!c) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "comm");
@@ -353,6 +370,25 @@ epx_status_t epx_comm_synchronize(epx_comm_t *comm) {
 
 /* ---- layout and handles --------------------------------------------------------------- */
 
+epx_status_t epx_layout_counts(int nranks, int num_experts, int topk, const epx_routing_t *routing,
+                               int32_t *tokens_per_rank, int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  epxi_clear_error();
+  if (nranks < 1 || nranks > EPX_MAX_RANKS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_layout_counts: nranks %d outside [1, %d]", nranks, EPX_MAX_RANKS);
+  if (num_experts < 1 || num_experts > EPX_MAX_EXPERTS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_layout_counts: num_experts %d outside [1, %d]", num_experts,
+                     EPX_MAX_EXPERTS);
+  if (num_experts % nranks)
+    return epxi_fail(EPX_ERR_EXPERTS_NOT_DIVISIBLE, "epx_layout_counts: num_experts %d is not a multiple of %d ranks",
+                     num_experts, nranks);
+  EPX_CHECK(epxi_check_routing_form(routing));
+  epxi_topk_t t;
+  EPX_CHECK(epxi_topk_from_routing(routing, num_experts, topk, &t));
+  epxi_count_layout(&t, nranks, num_experts / nranks, tokens_per_rank, tokens_per_expert, is_token_in_rank);
+  epxi_topk_free(&t);
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   epxi_clear_error();
@@ -384,6 +420,13 @@ epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, 
   if (hc->layout != EPX_LAYOUT_TOKEN && hc->layout != EPX_LAYOUT_EXPERT)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown layout %d", (int)hc->layout);
   if (hc->align < 1) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "align %d < 1", hc->align);
+  if (hc->recv_budget < 0)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_budget %lld < 0", (long long)hc->recv_budget);
+  if (hc->recv_budget > 0 && (hc->algo != EPX_ALGO_HT || hc->layout != EPX_LAYOUT_EXPERT))
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_budget needs the expert layout of EPX_ALGO_HT");
+  if (hc->recv_budget > 0 && !comm->world->ops->recv_budget)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "recv_budget: the %s backend cannot drop past a receive budget yet",
+                     comm->world->ops->name);
   epx_handle_t *h = calloc(1, sizeof *h);
   if (!h) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "handle");
   h->comm = comm;
@@ -472,6 +515,7 @@ epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info
   epxi_clear_error();
   if (!handle || !info) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_info: handle and info are required");
   EPX_CHECK(check_handle(handle->comm, handle, true, "epx_handle_info"));
+  memset(info, 0, sizeof *info); /* fields a backend does not know stay 0 */
   return handle->comm->world->ops->handle_info(handle, info, tokens_per_local_expert);
 }
 

@@ -74,7 +74,10 @@ typedef struct {
   bool ll, expert_layout;
   /* counts of every rank, from notify */
   int32_t *tok;   /* [R, R] */
-  int32_t *pair;  /* [R, E] */
+  int32_t *pair;  /* [R, E]: pairs that arrive (past a receive budget: those kept) */
+  int32_t *routed; /* [R, E]: pairs routed, when a budget dropped some (else NULL) */
+  int64_t num_dropped; /* pairs the whole group dropped */
+  int64_t budget; /* this rank's receive budget in rows, 0 = none */
   epxi_counts_t counts;
   /* send side */
   epxi_topk_t route;   /* [T, K] */
@@ -98,6 +101,7 @@ static void plan_clear(host_plan_t *p) {
   epxh_nodes_clear(&p->nodes);
   free(p->tok);
   free(p->pair);
+  free(p->routed);
   epxi_topk_free(&p->route);
   free(p->dest_row);
   free(p->slot_row);
@@ -113,6 +117,7 @@ static void plan_clear(host_plan_t *p) {
   p->nranks = keep.nranks, p->rank = keep.rank, p->num_experts = keep.num_experts;
   p->num_local = keep.num_local, p->topk = keep.topk, p->hidden = keep.hidden;
   p->align = keep.align, p->max_tokens = keep.max_tokens, p->ll = keep.ll, p->expert_layout = keep.expert_layout;
+  p->budget = keep.budget;
 }
 
 static epx_status_t host_handle_create(epx_handle_t *h) {
@@ -129,6 +134,7 @@ static epx_status_t host_handle_create(epx_handle_t *h) {
   p->max_tokens = c->cfg.max_tokens_per_rank;
   p->ll = h->hc.algo == EPX_ALGO_LL;
   p->expert_layout = h->hc.layout == EPX_LAYOUT_EXPERT;
+  p->budget = h->hc.recv_budget;
   h->impl = p;
   return EPX_SUCCESS;
 }
@@ -146,33 +152,11 @@ static void expert_blocks(const host_plan_t *p, int d, int64_t *block) {
   for (int l = 0; l <= p->num_local; l++) block[l] = (int64_t)l * p->nranks * p->max_tokens;
 }
 
-/* Layout of a normalised routing; any output may be NULL. */
-static void count_layout(const epxi_topk_t *t, int nranks, int num_local, int num_experts, int32_t *tokens_per_rank,
-                         int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
-  const int K = t->topk;
-  if (tokens_per_rank) memset(tokens_per_rank, 0, sizeof(int32_t) * nranks);
-  if (tokens_per_expert) memset(tokens_per_expert, 0, sizeof(int32_t) * num_experts);
-  for (int64_t i = 0; i < t->num_tokens; i++) {
-    bool in_rank[EPX_MAX_RANKS] = {false};
-    for (int k = 0; k < K; k++) {
-      int e = t->idx[i * K + k];
-      if (e < 0) continue;
-      in_rank[e / num_local] = true;
-      if (tokens_per_expert) tokens_per_expert[e]++;
-    }
-    for (int d = 0; d < nranks; d++) {
-      if (tokens_per_rank && in_rank[d]) tokens_per_rank[d]++;
-      if (is_token_in_rank) is_token_in_rank[i * nranks + d] = in_rank[d];
-    }
-  }
-}
-
 static epx_status_t host_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   epxi_topk_t t;
   EPX_CHECK(epxi_topk_from_routing(routing, comm->cfg.num_experts, comm->cfg.topk, &t));
-  count_layout(&t, comm->nranks, comm->num_local_experts, comm->cfg.num_experts, tokens_per_rank, tokens_per_expert,
-               is_token_in_rank);
+  epxi_count_layout(&t, comm->nranks, comm->num_local_experts, tokens_per_rank, tokens_per_expert, is_token_in_rank);
   epxi_topk_free(&t);
   return EPX_SUCCESS;
 }
@@ -207,6 +191,32 @@ static void *xcalloc(size_t n, size_t size, epx_status_t *s) {
   return p;
 }
 
+/* The receive budgets (one per destination, 0 = none), applied to the gathered counts: pair
+ * then holds the pairs each destination keeps (core/plan.c says which), routed what was
+ * routed. Every rank computes every destination's cut, so sources and destinations agree
+ * without another exchange. */
+static epx_status_t apply_budgets(host_plan_t *p, const int64_t *budgets) {
+  const int R = p->nranks, E = p->num_experts, L = p->num_local;
+  bool any = false;
+  for (int d = 0; d < R; d++) any |= budgets[d] > 0;
+  if (!any) return EPX_SUCCESS;
+  epx_status_t s = EPX_SUCCESS;
+  p->routed = xcalloc((size_t)R * E, sizeof(int32_t), &s);
+  int32_t *kept = xcalloc((size_t)R * L, sizeof(int32_t), &s);
+  if (s == EPX_SUCCESS) {
+    memcpy(p->routed, p->pair, sizeof(int32_t) * R * E);
+    epxi_counts_t routed = p->counts;
+    routed.pair = p->routed;
+    for (int d = 0; d < R; d++) {
+      p->num_dropped += epxi_budget_keep(&routed, d, p->align, budgets[d], kept);
+      for (int q = 0; q < R; q++)
+        for (int l = 0; l < L; l++) p->pair[q * E + d * L + l] = kept[q * L + l];
+    }
+  }
+  free(kept);
+  return s;
+}
+
 /* Send side: where each of this rank's tokens and pairs lands. Tokens are visited in order,
  * so rows keep (source rank, source token) order within every block. */
 static void plan_send(host_plan_t *p) {
@@ -219,15 +229,20 @@ static void plan_send(host_plan_t *p) {
     for (int l = 0; l < L; l++) next_pair[d * L + l] = block[l] + epxi_expert_source_base(&p->counts, d, l, me);
   }
   free(block);
+  int64_t *sent = calloc(p->num_experts, sizeof(int64_t)); /* pairs routed to each expert so far */
   for (int64_t t = 0; t < p->route.num_tokens; t++) {
     bool in_rank[EPX_MAX_RANKS] = {false};
     for (int k = 0; k < K; k++) {
       int e = p->route.idx[t * K + k];
-      p->slot_row[t * K + k] = e < 0 ? -1 : next_pair[e]++;
+      /* past its destination's budget a pair is dropped: it has no row (the token still
+       * crosses for the pairs kept, or as a zero partial) */
+      bool kept = e >= 0 && sent[e]++ < p->pair[me * p->num_experts + e];
+      p->slot_row[t * K + k] = kept ? next_pair[e]++ : -1;
       if (e >= 0) in_rank[e / L] = true;
     }
     for (int d = 0; d < R; d++) p->dest_row[t * R + d] = in_rank[d] ? next_tok[d]++ : -1;
   }
+  free(sent);
   free(next_pair);
 }
 
@@ -247,8 +262,10 @@ static void route_blob_pack(const epxi_topk_t *r, void *blob) {
 static void plan_recv(host_plan_t *p, const void *const *routes) {
   const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
   int64_t n = 0;
-  int64_t *next_pair = calloc(L, sizeof(int64_t));
+  int64_t *next_pair = calloc(L, sizeof(int64_t)), *arrived = calloc(L, sizeof(int64_t));
   for (int s = 0; s < R; s++) {
+    const int32_t *kept = p->pair + (size_t)s * p->num_experts + (size_t)me * L;
+    for (int l = 0; l < L; l++) arrived[l] = 0;
     int64_t T;
     memcpy(&T, routes[s], sizeof T);
     const int32_t *idx = (const int32_t *)((const char *)routes[s] + sizeof(int64_t));
@@ -262,7 +279,7 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
       p->recv_tok[n] = t;
       for (int k = 0; k < K; k++) {
         int e = idx[t * K + k];
-        bool here = e >= 0 && e / L == me;
+        bool here = e >= 0 && e / L == me && arrived[e % L]++ < kept[e % L];
         p->recv_local[n * K + k] = here ? e % L : -1;
         p->recv_weight[n * K + k] = here ? w[t * K + k] : 0.0f;
         p->recv_row[n * K + k] = here ? next_pair[e % L]++ : -1;
@@ -270,6 +287,7 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
       n++;
     }
   }
+  free(arrived);
   free(next_pair);
 }
 
@@ -295,12 +313,14 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
                   (long long)p->route.num_tokens, p->max_tokens);
 
   /* Counts: what this rank sends to each rank and expert, gathered from every rank. */
-  size_t row_ints = (size_t)R + E;
+  size_t row_ints = (size_t)R + E + 1; /* counts, then this rank's receive budget */
   int32_t *mine = xcalloc(row_ints, sizeof(int32_t), &s);
   int32_t *all = xcalloc(row_ints * R, sizeof(int32_t), &s);
   p->tok = xcalloc((size_t)R * R, sizeof(int32_t), &s);
   p->pair = xcalloc((size_t)R * E, sizeof(int32_t), &s);
-  if (s == EPX_SUCCESS) count_layout(&p->route, R, L, E, mine, mine + R, NULL);
+  if (s == EPX_SUCCESS) epxi_count_layout(&p->route, R, L, mine, mine + R, NULL);
+  if (mine) mine[R + E] = p->budget > INT32_MAX ? INT32_MAX : (int32_t)p->budget;
+  int64_t budgets[EPX_MAX_RANKS] = {0};
   epx_status_t agreed = agree(comm, "notify:validate", s);
   if (agreed == EPX_SUCCESS)
     agreed = epxi_group_allgather(comm->world->group, me, "notify:counts", comm->cfg.timeout_ms, mine,
@@ -309,6 +329,7 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
     for (int q = 0; q < R; q++) {
       memcpy(p->tok + q * R, all + q * row_ints, sizeof(int32_t) * R);
       memcpy(p->pair + q * E, all + q * row_ints + R, sizeof(int32_t) * E);
+      budgets[q] = all[q * row_ints + R + E];
     }
   free(mine);
   free(all);
@@ -317,6 +338,7 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
     return agreed;
   }
   p->counts = (epxi_counts_t){.nranks = R, .num_experts = E, .num_local = L, .tok = p->tok, .pair = p->pair};
+  s = apply_budgets(p, budgets);
 
   /* Positions. */
   const int64_t T = p->route.num_tokens;
@@ -460,6 +482,7 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   if (s == EPX_SUCCESS) {
     if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
     if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
+    if (a->dropped) *a->dropped = p->num_dropped > INT32_MAX ? INT32_MAX : (int32_t)p->num_dropped;
   }
   return s;
 }
@@ -545,7 +568,7 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
     for (int k = 0; k < K; k++) {
       int e = p->route.idx[t * K + k];
       float g = 0.0f;
-      if (e >= 0) {
+      if (e >= 0 && (!p->expert_layout || p->slot_row[t * K + k] >= 0)) {
         int d = e / p->num_local;
         const float *wg = wgrads[d];
         g = p->expert_layout ? wg[p->slot_row[t * K + k]] : wg[p->dest_row[t * R + d] * K + k];
@@ -576,6 +599,8 @@ const epxi_backend_t epxi_host_backend = {
     .dispatch = host_dispatch,
     .combine = host_combine,
     .abort = host_abort,
+    .wide_topk = true,
+    .recv_budget = true,
     .stamped = true,
     .nodes = true,
 };
