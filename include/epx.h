@@ -14,7 +14,10 @@
  *   epx_handle_t  the plan of one dispatch (who sent what where), reused by combine and by
  *                 both backward passes. Create once per comm and algorithm, then re-plan it
  *                 with new routings as often as you like (its storage is sized once, which is
- *                 what lets low-latency mode live inside a CUDA graph).
+ *                 what lets low-latency mode live inside a CUDA graph). Any number of handles
+ *                 may hold plans at once (a framework keeps one per MoE layer until that
+ *                 layer's backward); the host backend's plan holds memory in proportion to
+ *                 what it routed.
  *
  * Collective calls (epx_comm_init, epx_notify, epx_dispatch, epx_combine) must be made by
  * every rank of the group. A call blocks (CPU backend) or enqueues on the comm's stream
@@ -83,11 +86,12 @@ EPX_API int epx_get_version(void);
  * version (major and minor) is not its own with EPX_ERR_INVALID_ARGUMENT, so a program built
  * against another epx.h fails with a message instead of reading fields that are not there.
  * Always set a struct up with its init function, then change the fields you need. New fields
- * are added at the end. (epx_routing_t, epx_handle_info_t and epx_unique_id_t are fixed.) */
+ * are added at the end. (epx_routing_t, epx_handle_info_t, epx_node_traffic_t and epx_unique_id_t are
+ * fixed.) */
 
 /* Limits the API checks against. */
 #define EPX_MAX_RANKS 64
-#define EPX_MAX_TOPK 16
+#define EPX_MAX_TOPK 32   /* the CUDA backend takes up to 16 (EPX_ERR_UNSUPPORTED at epx_comm_init) */
 #define EPX_MAX_EXPERTS 4096
 #define EPX_MAX_HIDDEN 65536
 #define EPX_FP8_BLOCK 128 /* channels per fp8 scale */
@@ -226,16 +230,23 @@ typedef struct {
   int num_experts;          /* E, a multiple of the group size */
   int hidden;               /* H */
   int topk;                 /* K, 1..EPX_MAX_TOPK */
-  int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers */
+  int max_tokens_per_rank;  /* low-latency capacity; also sizes the CUDA backend's buffers. Ranks
+                               may pass different values: epx_comm_init takes the group's largest
+                               (epx_comm_config shows it), so every rank's tokens fit */
   int num_sms;              /* SM budget of every GPU launch of this comm (default 16) */
   int timeout_ms;           /* bound of every wait; 0 takes EPX_TIMEOUT_MS (default 30000) */
+  int ranks_per_node;       /* ranks per node (GPUs joined by NVLink; nodes joined by a network):
+                               node n holds ranks [n * ranks_per_node, (n + 1) * ranks_per_node).
+                               0 or nranks: one node. Otherwise a divisor of nranks; combine then
+                               pre-reduces inside each node (docs/design.md, "Nodes"). The host
+                               backend simulates nodes; CUDA refuses them (EPX_ERR_UNSUPPORTED). */
 } epx_config_t;
 
 EPX_API void epx_config_init(epx_config_t *cfg);
 
 /* Collective over the group. Checks the config, then compares it with every other rank's:
  * any difference fails on every rank with EPX_ERR_CONFIG_MISMATCH naming the field and the
- * ranks. */
+ * ranks, except max_tokens_per_rank (the group's maximum is taken) and timeout_ms. */
 EPX_API epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm);
 /* A comm with live handles, or one another thread is calling, is refused with EPX_ERR_BUSY
  * and left as it was. */
@@ -310,6 +321,13 @@ EPX_API epx_status_t epx_topk_to_map(int64_t num_tokens, int num_experts, int to
  *   is_token_in_rank [T, R]: bool */
 EPX_API epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
+/* The same layout from the group's shape alone, before any comm exists (a framework asks for
+ * the layout before it knows the hidden size): nranks ranks of num_experts / nranks experts
+ * each, K = topk columns of topk_idx. Host memory only; validates the routing as
+ * epx_notify does. */
+EPX_API epx_status_t epx_layout_counts(int nranks, int num_experts, int topk, const epx_routing_t *routing,
+                                       int32_t *tokens_per_rank, int32_t *tokens_per_expert,
+                                       uint8_t *is_token_in_rank);
 
 /* ------------------------------------------------------------------------------------------
  * Handles: the plan of one dispatch.
@@ -334,6 +352,11 @@ typedef struct {
   int exact;            /* CUDA: 1 = epx_notify waits for the counts so the host knows them;
                            0 = sync-free, counts stay on the device. The host backend always
                            knows them. */
+  int64_t recv_budget;  /* expert layout, EPX_ALGO_HT: at most this many rows (padding included)
+                           arrive on this rank; pairs past it are dropped (docs/design.md,
+                           "Receive budget"). 0 = no budget. Ranks may pass different budgets.
+                           Backends that cannot drop yet (CUDA) refuse a budget with
+                           EPX_ERR_UNSUPPORTED at epx_handle_create. */
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
@@ -363,6 +386,20 @@ typedef struct {
  * the device knows them. tokens_per_local_expert may be NULL ([L], unpadded pair counts). */
 EPX_API epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info,
                              int32_t *tokens_per_local_expert);
+
+/* Bytes that crossed a node boundary into this rank in the handle's last dispatch and last
+ * combine, next to what one crossing per destination rank would have moved. Dispatch: the
+ * rows this rank received from other nodes (on the node path, as a rail peer that forwards
+ * them; rows of recv_dtype, fp8 with its scales, or x_dtype for an expert-layout
+ * scale_by_probs replay). Combine: the rows of y_dtype that came back to this rank's tokens
+ * from other nodes (one per node on the node path). Summed over the group, what crossed the
+ * network. Low-latency mode crosses once per rank. 0 on one node. docs/design.md, "Nodes". */
+typedef struct {
+  int64_t dispatch_bytes, combine_bytes;           /* the node-aware path (low-latency: per rank) */
+  int64_t dispatch_bytes_per_rank, combine_bytes_per_rank; /* a row to every remote rank */
+} epx_node_traffic_t;
+
+EPX_API epx_status_t epx_handle_node_traffic(const epx_handle_t *handle, epx_node_traffic_t *traffic);
 
 /* ------------------------------------------------------------------------------------------
  * Dispatch.
@@ -412,6 +449,10 @@ typedef struct {
   int scale_by_probs;         /* expert layout: multiply each row by its weight (float32
                                  product, rounded once): combine's backward */
   epx_part_t part;            /* EPX_PART_ALL unless split (see epx_part_t) */
+  int32_t *dropped;           /* optional: [1], where the backend computes: the pairs the whole
+                                 group dropped past its receive budgets in this plan, 0 when
+                                 none (the same on every rank). Written by backends that take a
+                                 budget; the others (which refuse one) leave it as it is */
 } epx_dispatch_args_t;
 
 EPX_API void epx_dispatch_args_init(epx_dispatch_args_t *args);

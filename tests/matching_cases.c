@@ -308,7 +308,7 @@ static void check_usable(const mc_case_t *c, int me, epx_comm_t *comm, mc_log_t 
   if (s == EPX_SUCCESS) s = epx_combine(comm, h, &ca);
   expect(log, s == EPX_SUCCESS, "a valid dispatch + combine afterwards: %s (%s)", epx_status_string(s), epx_last_error());
   if (s == EPX_SUCCESS) {
-    dense_cfg_t dc = {d.R, d.E, MC_H, MC_K, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, 0};
+    dense_cfg_t dc = {d.R, d.E, MC_H, MC_K, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, EPX_FLOAT32, 0, 0};
     void *want[EPX_MAX_RANKS];
     for (int r = 0; r < d.R; r++) want[r] = malloc(sizeof(float) * (size_t)(d.T[r] * MC_H + 1));
     int rc = dense_moe(&dc, d.T, (const void *const *)d.x, (const int32_t *const *)d.idx, (const float *const *)d.w, want);

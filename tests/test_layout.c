@@ -30,6 +30,16 @@ static void check_layout(const char *what, epx_comm_t *comm, const tu_moe_t *m, 
     snprintf(w, sizeof w, "%s is_token_in_rank", ctx);
     CHECK_BITS(w, EPX_BOOL, in, want_in, T * R, R);
   }
+  /* The same counts from the group's shape alone, no comm. */
+  memset(tpr, TU_POISON, sizeof(int32_t) * (size_t)R), memset(tpe, TU_POISON, sizeof(int32_t) * (size_t)E);
+  memset(in, TU_POISON, (size_t)(T * R));
+  if (CHECK_STATUS(epx_layout_counts(R, E, K, &rt, tpr, tpe, in), EPX_SUCCESS, "%s epx_layout_counts", ctx)) {
+    CHECK_BITS(ctx, EPX_INT32, tpr, want_tpr, R, R);
+    CHECK_BITS(ctx, EPX_INT32, tpe, want_tpe, E, E);
+    CHECK_BITS(ctx, EPX_BOOL, in, want_in, T * R, R);
+  }
+  if (R > 1) /* E + 1 experts cannot split over R ranks: refused before anything is written */
+    CHECK_STATUS(epx_layout_counts(R, E + 1, K, &rt, tpr, tpe, in), EPX_ERR_EXPERTS_NOT_DIVISIBLE, "%s", ctx);
   /* Any output may be NULL. */
   memset(tpe, TU_POISON, sizeof(int32_t) * (size_t)E);
   if (CHECK_STATUS(epx_get_layout(comm, &rt, NULL, tpe, NULL), EPX_SUCCESS, "%s only tokens_per_expert", ctx))

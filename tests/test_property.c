@@ -1,7 +1,9 @@
 /* test_property: a sweep over fresh random configs and routings, every result compared bit for
  * bit with dense_moe; half the cases feed special values (NaN payloads, infinities, -0.0,
  * subnormals, values past e4m3's range): copied rows keep their bits, every NaN that
- * arithmetic makes is canonical. Each case is printed when it fails; EPX_TEST_SEED reproduces the sweep.
+ * arithmetic makes is canonical; half the cases run in several nodes (config.ranks_per_node)
+ * against dense_moe's node-aware order. Each case is printed when it fails; EPX_TEST_SEED
+ * reproduces the sweep.
  * EPX_TEST_CASES overrides the number of cases (default 100). */
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +14,16 @@ enum { SC_RANDOM, SC_ONE_EXPERT, SC_SPARSE, SC_NOWHERE, SC_HOT_RANK, SC_FULL, SC
 static const char *sc_name[SC_COUNT] = {"random", "one-expert", "sparse", "nowhere", "hot-rank", "full"};
 
 static epx_dtype_t pick_float(void) { return tu_int(&tu_rng, 0, 1) ? EPX_BFLOAT16 : EPX_FLOAT32; }
+
+/* Half the cases in several nodes: a random divisor of R below R (docs/design.md, "Nodes");
+ * else one node, spelled 0 or R. */
+static int pick_ranks_per_node(int R) {
+  int divisors[EPX_MAX_RANKS], n = 0;
+  for (int p = 1; p < R; p++)
+    if (R % p == 0) divisors[n++] = p;
+  if (n == 0 || tu_int(&tu_rng, 0, 1)) return tu_int(&tu_rng, 0, 1) ? R : 0;
+  return divisors[tu_int(&tu_rng, 0, n - 1)];
+}
 
 /* ---- special values ------------------------------------------------------------------- */
 /* NaNs with payloads (quiet, signalling, negative), infinities, -0.0, subnormals, values past
@@ -124,6 +136,7 @@ static void one_case(int i) {
   const int minimal = tu_int(&tu_rng, 0, 3) == 0;
   /* Every algorithm gives the same bits: the all-to-all baseline must match too. */
   const epx_algo_t algo = tu_int(&tu_rng, 0, 3) == 0 ? EPX_ALGO_ALLTOALL : EPX_ALGO_HT;
+  const int P = pick_ranks_per_node(R); /* printed as R=R/P */
 
   int64_t T[TU_MAX_RANKS];
   const int all_empty = tu_int(&tu_rng, 0, 15) == 0;
@@ -146,12 +159,12 @@ static void one_case(int i) {
   }
   char what[320];
   snprintf(what, sizeof what,
-           "case %d [%s R=%d E=%d K=%d H=%d %s x=%s recv=%s y=%s out=%s align=%d form=%d weights=%d minimal=%d]", i,
-           algo == EPX_ALGO_HT ? "ht" : "alltoall", R, E, K, H, sc_name[sc], tu_dtype(x), tu_dtype(recv), tu_dtype(y),
+           "case %d [%s R=%d/%d E=%d K=%d H=%d %s x=%s recv=%s y=%s out=%s align=%d form=%d weights=%d minimal=%d]", i,
+           algo == EPX_ALGO_HT ? "ht" : "alltoall", R, P, E, K, H, sc_name[sc], tu_dtype(x), tu_dtype(recv), tu_dtype(y),
            tu_dtype(out), align, form, weights, minimal);
 
   tu_moe_t m;
-  tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights);
+  tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights), m.ranks_per_node = P; /* dense_moe's order */
   /* Sometimes weights of exactly 0 on chosen experts: still routed (only -1 means none). */
   const int zero_weights = weights && tu_int(&tu_rng, 0, 4) == 0;
   if (zero_weights)
@@ -164,6 +177,7 @@ static void one_case(int i) {
 
   tu_world_t w;
   epx_config_t cfg = tu_config(E, H, K, 64);
+  cfg.ranks_per_node = P;
   if (!CHECK_STATUS(tu_world_create(&w, R, &cfg, NULL, NULL), EPX_SUCCESS, "%s world", what)) {
     tu_world_destroy(&w);
     tu_moe_free(&m);
@@ -188,7 +202,7 @@ static void one_case(int i) {
     /* A second routing on the same handles (re-plan), fresh tokens. */
     tu_moe_free(&m);
     for (int r = 0; r < R; r++) T[r] = tu_int(&tu_rng, 0, maxT);
-    tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights);
+    tu_moe_random(&m, &tu_rng, R, E, H, K, x, T, &o, weights), m.ranks_per_node = P;
     if (specials) add_specials(&m, specials);
     if (form >= TU_FORM_MAP) tu_moe_make_map(&m);
     snprintf(w2, sizeof w2, "%s token layout, re-planned", what);

@@ -21,6 +21,7 @@ typedef struct {
   const char *json_path;
   bench_sweep_t sweep;
   int given_tokens, given_num_sms; /* set on the command line (sweeps start from them) */
+  int ranks_per_node;    /* --ranks-per-node: 0 = one node */
 } bench_opts_t;
 
 /* Parses argv: 0 to run, 1 when --help was printed (stdout), -1 after an error message on
@@ -54,6 +55,7 @@ typedef struct {
   int check;                /* -1 not run, 0 bit for bit, 1 mismatch or failure */
   char check_detail[256];
   int shared_clock;
+  epx_node_traffic_t nodes; /* several nodes: the bytes across node boundaries, all ranks, one iteration */
 } bench_result_t;
 
 /* Fills env->machine: this host, its CPUs, the device text given, epx's version. */

@@ -24,6 +24,8 @@ static void usage(FILE *out) {
           "  --align A                  expert layout: each expert's rows padded to a multiple, 1..65536\n"
           "  --iters N, --warmup N      timed iterations 1..100000 (default 3), untimed before them (default 1)\n"
           "  --num-sms S                CUDA: SM budget of each rank's launches, 1..1024 (default 16)\n"
+          "  --ranks-per-node P         host: the ranks in nodes of P (a divisor of R; default one node):\n"
+          "                             the node-aware combine, and the bytes that cross node boundaries\n"
           "  --graph                    CUDA: capture the layer once, time graph replays\n"
           "  --seed N                   inputs' random seed (default: from the clock, printed)\n"
           "  --check                    compare the result bit for bit with a dense one-process reference\n"
@@ -88,6 +90,7 @@ static int parse_one(int argc, char **argv, int *i, bench_opts_t *o, seen_t *see
   else if (!strcmp(a, "--iters")) rc = int_arg(a, v, 1, 100000, &o->iters);
   else if (!strcmp(a, "--warmup")) rc = int_arg(a, v, 0, 100000, &o->warmup);
   else if (!strcmp(a, "--num-sms")) rc = int_arg(a, v, 1, 1024, &o->num_sms), o->given_num_sms = 1;
+  else if (!strcmp(a, "--ranks-per-node")) rc = int_arg(a, v, 0, EPX_MAX_RANKS, &o->ranks_per_node);
   else if (!strcmp(a, "--seed")) {
     char *end = NULL;
     errno = 0;
@@ -138,6 +141,9 @@ static int check_combination(const bench_opts_t *o, const seen_t *seen) {
                    o->experts), -1;
   if (o->experts % o->ranks)
     return fprintf(stderr, "epx-bench: --experts %d is not a multiple of --ranks %d\n", o->experts, o->ranks), -1;
+  if (o->ranks_per_node && (o->ranks_per_node > o->ranks || o->ranks % o->ranks_per_node))
+    return fprintf(stderr, "epx-bench: --ranks-per-node %d does not divide --ranks %d\n", o->ranks_per_node,
+                   o->ranks), -1;
   if (o->backend == EPX_BACKEND_HOST) return bench_check_backend(o, EPX_BACKEND_HOST);
   if (o->sweep == SWEEP_SMS && o->given_num_sms)
     return fprintf(stderr, "epx-bench: --sweep sms chooses the SMs per rank itself: drop --num-sms\n"), -1;

@@ -48,6 +48,19 @@ static void print_phase(FILE *out, const bench_env_t *env, const bench_result_t 
   fprintf(out, "\n");
 }
 
+static int several_nodes(const bench_opts_t *o) { return o->ranks_per_node > 0 && o->ranks_per_node < o->ranks; }
+
+/* The bytes that crossed node boundaries against one crossing per destination rank. */
+static void print_nodes(FILE *out, const bench_result_t *r) {
+  const epx_node_traffic_t *t = &r->nodes;
+  const double d = (double)t->dispatch_bytes, c = (double)t->combine_bytes, dr = (double)t->dispatch_bytes_per_rank,
+               cr = (double)t->combine_bytes_per_rank;
+  fprintf(out, "nodes: %d of %d ranks; bytes across node boundaries (all ranks, one iteration)%s:\n",
+          r->o.ranks / r->o.ranks_per_node, r->o.ranks_per_node, r->o.ll ? ", low-latency: once per rank" : "");
+  fprintf(out, "  dispatch %14.0f  one crossing per rank %14.0f  (%.1f%%)\n", d, dr, dr > 0 ? 100.0 * d / dr : 100.0);
+  fprintf(out, "  combine  %14.0f  one crossing per rank %14.0f  (%.1f%%)\n", c, cr, cr > 0 ? 100.0 * c / cr : 100.0);
+}
+
 void bench_print_table(FILE *out, const bench_env_t *env, const bench_result_t *r) {
   const bench_opts_t *o = &r->o;
   fprintf(out, "copy bandwidth (read + write): %.0f GB/s, %s\n", env->copy_bw * 1e-9,
@@ -75,6 +88,7 @@ void bench_print_table(FILE *out, const bench_env_t *env, const bench_result_t *
             dl, 100.0 * dl / r->ms[PH_DISPATCH], cl, 100.0 * cl / r->ms[PH_COMBINE],
             r->devices > 1 ? "" : "\n(this run emulates the group on one GPU: the memory floor above is the one that applies)");
   }
+  if (several_nodes(o)) print_nodes(out, r);
   if (r->check >= 0) fprintf(out, "check: %s\n", r->check_detail);
 }
 
@@ -137,6 +151,13 @@ static void json_run(FILE *out, const bench_env_t *env, const bench_result_t *r)
   }
   if (on_gpu(env)) jnum(out, "sm_copy_gbps_per_sm", r->sm_copy_bw * 1e-9), jint(out, "sms_in_use", r->sms_in_use);
   jint(out, "devices", r->devices);
+  if (several_nodes(&r->o)) {
+    jint(out, "ranks_per_node", r->o.ranks_per_node);
+    jint(out, "node_dispatch_bytes", (long long)r->nodes.dispatch_bytes);
+    jint(out, "node_combine_bytes", (long long)r->nodes.combine_bytes);
+    jint(out, "node_dispatch_bytes_per_rank", (long long)r->nodes.dispatch_bytes_per_rank);
+    jint(out, "node_combine_bytes_per_rank", (long long)r->nodes.combine_bytes_per_rank);
+  }
   jstr(out, "timing", r->shared_clock ? "last rank's start to last rank's end, median" : "slowest rank's own, median");
   jstr(out, "check", r->check < 0 ? "not run" : r->check ? "mismatch" : "ok");
   if (r->check >= 0) jstr(out, "check_detail", r->check_detail);

@@ -41,14 +41,46 @@ static void accumulate_expert(const dense_cfg_t *cfg, int e, float w, const floa
   }
 }
 
+/* What destination d makes of one token before rounding (row_d or partial_d of the header);
+ * returns 0 when none of the token's experts is on d. */
+static int destination_partial(const dense_cfg_t *cfg, int d, const int32_t *idx, const float *w, const float *xin,
+                               float *partial) {
+  const int K = cfg->topk, L = cfg->num_experts / cfg->nranks;
+  int any = 0;
+  for (int c = 0; c < cfg->hidden; c++) partial[c] = 0.0f;
+  if (!cfg->expert_layout) {
+    /* Token layout: slots in slot order. */
+    for (int k = 0; k < K; k++) {
+      const int e = idx[k];
+      if (e < 0 || e / L != d) continue;
+      any = 1;
+      accumulate_expert(cfg, e, w ? w[k] : 1.0f, xin, partial);
+    }
+    return any;
+  }
+  /* Expert layout: the token's experts on d in ascending local id. */
+  for (int l = 0; l < L; l++) {
+    const int e = d * L + l;
+    for (int k = 0; k < K; k++) {
+      if (idx[k] != e) continue;
+      any = 1;
+      accumulate_expert(cfg, e, w ? w[k] : 1.0f, xin, partial);
+      break; /* ids in a row are distinct */
+    }
+  }
+  return any;
+}
+
 int dense_moe(const dense_cfg_t *cfg, const int64_t *num_tokens, const void *const *x,
               const int32_t *const *topk_idx, const float *const *topk_weights, void *const *out) {
   if (!cfg || !num_tokens || cfg->nranks < 1 || cfg->hidden < 1 || cfg->topk < 1) return -1;
   if (cfg->num_experts < cfg->nranks || cfg->num_experts % cfg->nranks != 0) return -1;
   if (!is_float_type(cfg->x_dtype) || !is_float_type(cfg->y_dtype) || !is_float_type(cfg->out_dtype)) return -1;
   if (cfg->recv_dtype != cfg->x_dtype && cfg->recv_dtype != EPX_FP8_E4M3) return -1;
-  const int R = cfg->nranks, E = cfg->num_experts, H = cfg->hidden, K = cfg->topk, L = E / R;
+  const int R = cfg->nranks, E = cfg->num_experts, H = cfg->hidden, K = cfg->topk;
   const int nblocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  if (cfg->ranks_per_node < 0 || cfg->ranks_per_node > R || (cfg->ranks_per_node && R % cfg->ranks_per_node)) return -1;
+  const int P = cfg->ranks_per_node ? cfg->ranks_per_node : R;
 
   /* Validate every id before writing anything. */
   for (int s = 0; s < R; s++)
@@ -59,10 +91,11 @@ int dense_moe(const dense_cfg_t *cfg, const int64_t *num_tokens, const void *con
   float *xin = malloc(sizeof(float) * (size_t)H);
   float *partial = malloc(sizeof(float) * (size_t)H);
   float *acc = malloc(sizeof(float) * (size_t)H);
+  float *node = malloc(sizeof(float) * (size_t)H);
   uint8_t *q = malloc((size_t)H);
   float *scales = malloc(sizeof(float) * (size_t)nblocks);
-  if (!xf || !xin || !partial || !acc || !q || !scales) {
-    free(xf), free(xin), free(partial), free(acc), free(q), free(scales);
+  if (!xf || !xin || !partial || !acc || !node || !q || !scales) {
+    free(xf), free(xin), free(partial), free(acc), free(node), free(q), free(scales);
     return -1;
   }
 
@@ -82,35 +115,22 @@ int dense_moe(const dense_cfg_t *cfg, const int64_t *num_tokens, const void *con
       }
 
       for (int c = 0; c < H; c++) acc[c] = 0.0f;
-      for (int d = 0; d < R; d++) {
-        int any = 0;
-        for (int c = 0; c < H; c++) partial[c] = 0.0f;
-        if (!cfg->expert_layout) {
-          /* Token layout: slots in slot order. */
-          for (int k = 0; k < K; k++) {
-            const int e = idx[k];
-            if (e < 0 || e / L != d) continue;
-            any = 1;
-            accumulate_expert(cfg, e, w ? w[k] : 1.0f, xin, partial);
-          }
-        } else {
-          /* Expert layout: the token's experts on d in ascending local id. */
-          for (int l = 0; l < L; l++) {
-            const int e = d * L + l;
-            for (int k = 0; k < K; k++) {
-              if (idx[k] != e) continue;
-              any = 1;
-              accumulate_expert(cfg, e, w ? w[k] : 1.0f, xin, partial);
-              break; /* ids in a row are distinct */
-            }
-          }
+      for (int n = 0; n < R / P; n++) {
+        int node_any = 0;
+        for (int c = 0; c < H; c++) node[c] = 0.0f;
+        for (int d = n * P; d < (n + 1) * P; d++) {
+          if (!destination_partial(cfg, d, idx, w, xin, partial)) continue;
+          node_any = 1;
+          for (int c = 0; c < H; c++) node[c] = node[c] + round_to(cfg->y_dtype, partial[c]);
         }
-        if (!any) continue;
-        for (int c = 0; c < H; c++) acc[c] = acc[c] + round_to(cfg->y_dtype, partial[c]);
+        if (!node_any) continue;
+        /* rounded where it crossed a node boundary */
+        const epx_dtype_t crossing = n == s / P ? EPX_FLOAT32 : cfg->y_dtype;
+        for (int c = 0; c < H; c++) acc[c] = acc[c] + round_to(crossing, node[c]);
       }
       for (int c = 0; c < H; c++) store(cfg->out_dtype, out[s], (size_t)t * H + c, acc[c]);
     }
   }
-  free(xf), free(xin), free(partial), free(acc), free(q), free(scales);
+  free(xf), free(xin), free(partial), free(acc), free(node), free(q), free(scales);
   return 0;
 }

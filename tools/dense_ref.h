@@ -20,8 +20,13 @@
  *   expert layout (expert_layout = 1, also low-latency mode): destination d makes
  *            partial_d = cast_y(sum over the token's local experts on d, ascending local id,
  *                               of w * float(y_e))
- *   source:  out[t] = cast_out(sum over destination ranks d ascending that the token went
- *            to of float(row_d or partial_d)). A token that routes nowhere gives 0.
+ *   node:    with P = ranks_per_node, node n holds ranks [n P, (n + 1) P). For every node n
+ *            the token went to, node_n = sum over its ranks d ascending that the token went
+ *            to of float(row_d or partial_d); it is rounded, cast_y, when n is not the
+ *            source's node (it crossed a node boundary) and stays float32 when it is.
+ *   source:  out[t] = cast_out(sum over those nodes n ascending of node_n). One node: the
+ *            sum over destination ranks ascending. A token that routes nowhere gives 0.
+ *   Every sum is float32, left to right, starting from 0.0f. A missing weight array
  *   Every sum is float32, left to right, starting from 0.0f; a NaN result is stored as the
  *   canonical NaN of the output type (float32 0x7FFFFFFF, bf16 0x7FFF). A missing weight array
  *   (topk_weights NULL, or topk_weights[s] NULL) means every weight is 1.
@@ -49,6 +54,8 @@ typedef struct {
   epx_dtype_t y_dtype;    /* expert output type = combine partial type (f32 or bf16) */
   epx_dtype_t out_dtype;  /* combine output type (f32 or bf16) */
   int expert_layout;      /* 0: token layout; 1: expert layout (also what low-latency mode does) */
+  int ranks_per_node;     /* 0 or nranks: one node (and low-latency mode, whose order is flat);
+                             else a divisor of nranks: the node-aware order below */
 } dense_cfg_t;
 
 /* For every rank s in 0..nranks-1 and token t < num_tokens[s]:

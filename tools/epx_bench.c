@@ -51,6 +51,7 @@ typedef struct {
   int arrived, generation, failed;
   char error[EPX_MAX_RANKS][512];
   double started, last_progress; /* wall clock: progress lines for long runs */
+  epx_node_traffic_t traffic[EPX_MAX_RANKS]; /* of each rank's last iteration */
 } bench_t;
 
 /* Waits until every rank arrives (0), or a rank failed or 120 s passed (-1). */
@@ -224,6 +225,7 @@ static int open_comm(bench_t *b, int rank, layer_t *l) {
   cfg.topk = o->topk;
   cfg.max_tokens_per_rank = o->tokens;
   cfg.num_sms = o->num_sms;
+  cfg.ranks_per_node = o->ranks_per_node;
   TRY(b, rank, epx_comm_init(b->world, rank, &cfg, &l->comm));
   if (l->stream) TRY(b, rank, epx_comm_set_stream(l->comm, l->stream));
   epx_handle_config_t hc;
@@ -334,6 +336,7 @@ static epx_status_t run_rank(int rank, void *arg) {
         b->stamp[((size_t)rank * o->iters + it) * (PH_COUNT + 1) + i] =
             dev->elapsed_ms(b->shared_clock ? b->origin : l.ev[0], l.ev[i]);
   }
+  TRY(b, rank, epx_handle_node_traffic(l.handle, &b->traffic[rank]));
   dev->download(counts_host, counts, sizeof(int32_t) * L);
   dev->download(b->out[rank], out, (size_t)T * H * esize(o->x_dtype));
   int64_t pairs = 0;
@@ -439,7 +442,8 @@ static int check(const bench_t *b, char *detail, size_t n) {
   const opts_t *o = &b->o;
   dense_cfg_t dc = {.nranks = o->ranks, .num_experts = o->experts, .hidden = o->hidden, .topk = o->topk,
                     .x_dtype = o->x_dtype, .recv_dtype = o->recv_dtype, .y_dtype = o->x_dtype,
-                    .out_dtype = o->x_dtype, .expert_layout = expert_rows(o)};
+                    .out_dtype = o->x_dtype, .expert_layout = expert_rows(o),
+                    .ranks_per_node = o->ll ? 0 : o->ranks_per_node}; /* low-latency: the flat order */
   int64_t nt[EPX_MAX_RANKS];
   void *want[EPX_MAX_RANKS];
   const size_t es = esize(o->x_dtype), row = (size_t)o->hidden * es;
@@ -559,6 +563,12 @@ static int run_once(const bench_env_t *env, const opts_t *o, bench_result_t *res
     for (int ph = 0; ph < PH_COUNT; ph++) res->ms[ph] = phase_ms(b, ph);
     phase_bytes(b, res->memory, res->link);
     link_floors(b, res);
+    for (int r = 0; r < o->ranks; r++) {
+      res->nodes.dispatch_bytes += b->traffic[r].dispatch_bytes;
+      res->nodes.combine_bytes += b->traffic[r].combine_bytes;
+      res->nodes.dispatch_bytes_per_rank += b->traffic[r].dispatch_bytes_per_rank;
+      res->nodes.combine_bytes_per_rank += b->traffic[r].combine_bytes_per_rank;
+    }
     if (b->dev->sm_copy_bandwidth) { /* the reference kernel on as many SMs as the ranks of one device use */
       const int per_device = (o->ranks + devices - 1) / devices;
       res->sms_in_use = o->ranks * o->num_sms;

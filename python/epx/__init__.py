@@ -55,16 +55,18 @@ from .errors import (
     error_class,
 )
 from .handle import Handle
-from .results import DispatchResult, HandleInfo, Layout
+from .results import DispatchResult, HandleInfo, Layout, NodeTraffic
 from .routing import map_to_topk, topk_to_map
 from .world import World, get_unique_id, run_threads
+
+from .layout import layout_counts
 
 from ._lib import PACKAGE_VERSION as __version__  # the file VERSION, as libepx and CMake
 
 __all__ = [
     "Algo", "Backend", "DType", "LayoutKind", "Status", "MAX_EXPERTS", "MAX_HIDDEN", "MAX_RANKS", "MAX_TOPK",
     "FP8_BLOCK", "UNIQUE_ID_BYTES", "LibraryNotFound", "LibraryVersionMismatch",
-    "World", "Comm", "Handle", "Config", "HandleInfo", "Layout", "DispatchResult",
+    "World", "Comm", "Handle", "Config", "HandleInfo", "NodeTraffic", "Layout", "DispatchResult",
     "Error", "InvalidArgumentError", "ShapeError", "DTypeError", "DeviceError", "NullPointerError",
     "ExpertOutOfRangeError", "ExpertsNotDivisibleError", "TopkRangeError", "HiddenRangeError",
     "RowAlignmentError", "OutputTooSmallError", "LowLatencyOverflowError", "ConfigMismatchError",
@@ -73,5 +75,5 @@ __all__ = [
     "error_class",
     "backend_available", "backend_unavailable_reason", "library_path", "status_string", "get_unique_id",
     "map_to_topk", "topk_to_map", "float32_to_bf16_bits", "bf16_bits_to_float32", "e4m3_to_float32",
-    "quantize_e4m3", "dequantize_e4m3", "run_threads",
+    "quantize_e4m3", "dequantize_e4m3", "run_threads", "layout_counts",
 ]

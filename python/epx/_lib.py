@@ -62,7 +62,7 @@ VERSION_CODE = VERSION_MAJOR * 10000 + VERSION_MINOR * 100 + VERSION_PATCH
 # ---- constants (epx.h) ------------------------------------------------------------------
 
 MAX_RANKS = 64
-MAX_TOPK = 16
+MAX_TOPK = 32
 MAX_EXPERTS = 4096
 MAX_HIDDEN = 65536
 FP8_BLOCK = 128
@@ -171,6 +171,7 @@ class Config(Structure):
         ("max_tokens_per_rank", c_int),
         ("num_sms", c_int),
         ("timeout_ms", c_int),
+        ("ranks_per_node", c_int),
     ]
 
 
@@ -192,6 +193,7 @@ class HandleConfig(Structure):
         ("layout", c_enum),
         ("align", c_int),
         ("exact", c_int),
+        ("recv_budget", c_int64),
     ]
 
 
@@ -202,6 +204,15 @@ class HandleInfo(Structure):
         ("num_recv_rows", c_int64),
         ("num_recv_pairs", c_int64),
         ("num_sent_copies", c_int64),
+    ]
+
+
+class NodeTraffic(Structure):
+    _fields_ = [
+        ("dispatch_bytes", c_int64),
+        ("combine_bytes", c_int64),
+        ("dispatch_bytes_per_rank", c_int64),
+        ("combine_bytes_per_rank", c_int64),
     ]
 
 
@@ -221,6 +232,7 @@ class DispatchArgs(Structure):
         ("num_recv_rows", c_void_p),  # int64_t *
         ("scale_by_probs", c_int),
         ("part", c_enum),  # epx_part_t: 0 all, 1 send, 2 complete
+        ("dropped", c_void_p),  # int32_t *
     ]
 
 
@@ -281,11 +293,13 @@ _FUNCTIONS = {
     "epx_map_to_topk": (c_enum, [c_int64, c_int, c_int, _P, _P, _P, _P]),
     "epx_topk_to_map": (c_enum, [c_int64, c_int, c_int, c_enum, _P, _P, _P, _P]),
     "epx_get_layout": (c_enum, [_P, POINTER(Routing), _P, _P, _P]),
+    "epx_layout_counts": (c_enum, [c_int, c_int, c_int, POINTER(Routing), _P, _P, _P]),
     "epx_handle_config_init": (None, [POINTER(HandleConfig)]),
     "epx_handle_create": (c_enum, [_P, POINTER(HandleConfig), POINTER(_P)]),
     "epx_handle_destroy": (c_enum, [_P]),
     "epx_notify": (c_enum, [_P, _P, POINTER(Routing)]),
     "epx_handle_info": (c_enum, [_P, POINTER(HandleInfo), _P]),
+    "epx_handle_node_traffic": (c_enum, [_P, POINTER(NodeTraffic)]),
     "epx_dispatch_args_init": (None, [POINTER(DispatchArgs)]),
     "epx_dispatch": (c_enum, [_P, _P, POINTER(Routing), POINTER(DispatchArgs)]),
     "epx_combine_args_init": (None, [POINTER(CombineArgs)]),

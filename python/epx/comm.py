@@ -108,11 +108,12 @@ class Comm(_Owned):
             return
         _check(lib.epx_comm_synchronize(self._p()), "epx_comm_synchronize")
 
-    def handle(self, algo="ht", layout="token", align: int = 1, exact: bool = True) -> "Handle":
+    def handle(self, algo="ht", layout="token", align: int = 1, exact: bool = True,
+               recv_budget: int = 0) -> "Handle":
         """A dispatch plan holder; see :class:`Handle`."""
         from .handle import Handle  # (handle.py builds on this module)
 
-        return Handle(self, algo, layout, align, exact)
+        return Handle(self, algo, layout, align, exact, recv_budget)
 
     def layout(self, topk_idx=None, topk_weights=None, *, routing_map=None, probs=None) -> Layout:
         """Per-rank counts of a routing (local, not collective): tokens per destination rank

@@ -83,6 +83,7 @@ class Config:
     max_tokens_per_rank: int = 128
     num_sms: int = 0
     timeout_ms: int = 0
+    ranks_per_node: int = 0  # 0 = one node; else a divisor of the group size (host backend)
 
     def _c(self) -> _lib.Config:
         c = _lib.Config()

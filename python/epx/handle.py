@@ -21,7 +21,7 @@ from .comm import Comm
 from .config import _parse_algo, _parse_layout
 from .dtypes import _parse_float_dtype
 from .errors import UnsupportedError, _arg_error, _check, _dtype_error, _raise, _shape_error
-from .results import DispatchResult, HandleInfo
+from .results import DispatchResult, HandleInfo, NodeTraffic
 from .routing import _routing
 from .world import _Owned
 
@@ -35,12 +35,18 @@ class Handle(_Owned):
     grouped by local expert, each block padded to ``align`` rows). ``exact`` (CUDA): notify
     waits for the counts so outputs can be sized exactly; ``False`` is sync-free.
 
+    ``recv_budget`` (expert layout of 'ht'): at most that many rows arrive on this rank; pairs
+    past it are dropped by the contract's rule (docs/design.md, "Receive budget") and
+    ``DispatchResult.dropped`` ([1] int32) counts the pairs the whole group dropped. The CUDA
+    backend refuses a budget for now (:class:`UnsupportedError`).
+
     Re-plan it with new routings as often as you like (``notify`` or ``dispatch`` with a
     routing). ``plan_id`` counts the plans, so a backward pass can tell the plan it needs is
     still the handle's.
     """
 
-    def __init__(self, comm: Comm, algo="ht", layout="token", align: int = 1, exact: bool = True):
+    def __init__(self, comm: Comm, algo="ht", layout="token", align: int = 1, exact: bool = True,
+                 recv_budget: int = 0):
         self._ptr = None
         lib = _lib.load()
         hc = _lib.HandleConfig()
@@ -51,6 +57,10 @@ class Handle(_Owned):
             _arg_error(f"align must be an int >= 1, got {align!r}")
         hc.align = int(align)
         hc.exact = 1 if exact else 0
+        if not isinstance(recv_budget, (int, np.integer)) or recv_budget < 0:
+            _arg_error(f"recv_budget must be an int >= 0, got {recv_budget!r}")
+        hc.recv_budget = int(recv_budget)
+        self.recv_budget = int(recv_budget)
         self.comm = comm
         self._algo = Algo(hc.algo)
         self._layout = _LayoutKind.EXPERT if self._algo == Algo.LL else _LayoutKind(hc.layout)
@@ -131,6 +141,13 @@ class Handle(_Owned):
         _check(_lib.load().epx_handle_info(self._p(), ctypes.byref(inf), counts.ctypes.data), "epx_handle_info")
         return HandleInfo(inf.num_send_tokens, inf.num_recv_tokens, inf.num_recv_rows, inf.num_recv_pairs,
                           inf.num_sent_copies, counts)
+
+    def node_traffic(self) -> NodeTraffic:
+        """Bytes that crossed node boundaries into this rank in the last dispatch and combine
+        (config.ranks_per_node), next to what one crossing per destination rank would move."""
+        t = _lib.NodeTraffic()
+        _check(_lib.load().epx_handle_node_traffic(self._p(), ctypes.byref(t)), "epx_handle_node_traffic")
+        return NodeTraffic(t.dispatch_bytes, t.combine_bytes, t.dispatch_bytes_per_rank, t.combine_bytes_per_rank)
 
     def _host_rows(self) -> Optional[int]:
         """Rows of the current plan's receive buffer, or None when only the device knows."""
@@ -290,6 +307,7 @@ class Handle(_Owned):
             out.probs = fe.alloc(self._lead(cap), DType.FLOAT32, device=dev, zero=True)
         out.counts = fe.alloc((L,), DType.INT32, device=dev, zero=True)
         out.nrows = fe.alloc((1,), DType.INT64, device=dev, zero=True)
+        out.dropped = fe.alloc((1,), DType.INT32, device=dev, zero=True)
 
     def _dispatch_call(self, fe, dev, routing, T, x, x_code, r_code, out, scale_by_probs) -> None:
         """epx_dispatch itself (planning first when ``routing`` is given)."""
@@ -309,6 +327,7 @@ class Handle(_Owned):
         a.tokens_per_local_expert = fe.ptr(out.counts)
         a.num_recv_rows = fe.ptr(out.nrows)
         a.scale_by_probs = 1 if scale_by_probs else 0
+        a.dropped = fe.ptr(out.dropped)
         if routing is not None:
             self._num_tokens = None
             self._rows = None
@@ -338,6 +357,7 @@ class Handle(_Owned):
                 if v is not None:
                     setattr(res, f, fe.slice_rows(v, rows_known))
         res._num_recv_rows_buf = out.nrows
+        res.dropped = out.dropped  # [1] int32: pairs the group dropped past its receive budgets
         self._last_counts = out.counts  # (low-latency backward masks rows past the counts)
         return res
 
@@ -460,3 +480,4 @@ class _DispatchOutputs:
     probs: Any = None
     counts: Any = None
     nrows: Any = None
+    dropped: Any = None

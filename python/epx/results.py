@@ -1,4 +1,5 @@
-"""What calls return: :class:`HandleInfo`, :class:`Layout` and :class:`DispatchResult`."""
+"""What calls return: :class:`HandleInfo`, :class:`NodeTraffic`, :class:`Layout` and
+:class:`DispatchResult`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ class HandleInfo:
     num_recv_pairs: int
     num_sent_copies: int
     tokens_per_local_expert: np.ndarray
+
+
+@dataclasses.dataclass
+class NodeTraffic:
+    """epx_node_traffic_t: bytes that crossed a node boundary into this rank in the handle's
+    last dispatch and combine, next to one crossing per destination rank (docs/design.md,
+    "Nodes"); all 0 on one node."""
+
+    dispatch_bytes: int
+    combine_bytes: int
+    dispatch_bytes_per_rank: int
+    combine_bytes_per_rank: int
 
 
 @dataclasses.dataclass

@@ -235,7 +235,7 @@ static epx_status_t check_config(const epx_config_t *c, int nranks) {
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.max_tokens_per_rank %d < 0", c->max_tokens_per_rank);
   if (c->num_sms < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.num_sms %d < 0", c->num_sms);
   if (c->timeout_ms < 0) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "config.timeout_ms %d < 0", c->timeout_ms);
-  return EPX_SUCCESS;
+  return epxi_nodes_check_config(c, nranks);
 }
 
 /* What every rank contributes to the config exchange. */
@@ -245,7 +245,7 @@ typedef struct {
 } config_vote_t;
 
 /* The fields ranks must agree on (timeouts may differ). */
-#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(max_tokens_per_rank) X(num_sms)
+#define EPX_CONFIG_AGREED(X) X(num_experts) X(hidden) X(topk) X(num_sms) X(ranks_per_node)
 
 static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int rank) {
   if (votes[rank].status != EPX_SUCCESS) return votes[rank].status; /* its own message stands */
@@ -262,6 +262,21 @@ static epx_status_t compare_configs(const config_vote_t *votes, int nranks, int 
     EPX_CONFIG_AGREED(EPX_COMPARE_FIELD)
 #undef EPX_COMPARE_FIELD
   }
+  return EPX_SUCCESS;
+}
+
+/* Ranks may see different token counts (uneven batches): every rank sizes for the largest. */
+static int group_max_tokens(const config_vote_t *votes, int nranks) {
+  int m = 0;
+  for (int r = 0; r < nranks; r++)
+    if (votes[r].cfg.max_tokens_per_rank > m) m = votes[r].cfg.max_tokens_per_rank;
+  return m;
+}
+
+static epx_status_t check_backend_config(const epx_world_t *world, const epx_config_t *c) {
+  if (!world->ops->wide_topk && c->topk > EPXI_NARROW_TOPK)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "config.topk %d: the %s backend takes top-k up to %d (EPX_MAX_TOPK %d is the "
+                     "host backend's)", c->topk, world->ops->name, EPXI_NARROW_TOPK, EPX_MAX_TOPK);
   return EPX_SUCCESS;
 }
 
@@ -292,12 +307,16 @@ static epx_status_t comm_init_body(epx_world_t *world, int rank, const epx_confi
                      "rank %d is not driven by this world: it drives ranks [%d, %d) of a group of %d", rank,
                      world->first_rank, world->first_rank + world->num_local, world->nranks);
   config_vote_t mine = {.status = check_config(cfg, world->nranks), .cfg = *cfg};
+  if (mine.status == EPX_SUCCESS) mine.status = check_backend_config(world, cfg);
   if (mine.cfg.num_sms == 0) mine.cfg.num_sms = epxi_env()->num_sms;
   if (mine.cfg.timeout_ms == 0) mine.cfg.timeout_ms = epxi_env()->timeout_ms;
+  mine.cfg.ranks_per_node = epxi_nodes_resolve(mine.cfg.ranks_per_node, world->nranks);
   config_vote_t votes[EPX_MAX_RANKS];
   EPX_CHECK(epxi_group_allgather(world->group, rank, "comm_init:config", mine.cfg.timeout_ms, &mine, sizeof mine,
                                  votes));
   EPX_CHECK(compare_configs(votes, world->nranks, rank));
+  EPX_CHECK(epxi_nodes_supported(world->ops, &mine.cfg, world->nranks));
+  mine.cfg.max_tokens_per_rank = group_max_tokens(votes, world->nranks);
 
   epx_comm_t *c = calloc(1, sizeof *c);
   if (!c) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "comm");
@@ -523,6 +542,25 @@ epx_status_t epx_comm_synchronize(epx_comm_t *comm) {
 
 /* ---- layout and handles --------------------------------------------------------------- */
 
+epx_status_t epx_layout_counts(int nranks, int num_experts, int topk, const epx_routing_t *routing,
+                               int32_t *tokens_per_rank, int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  epxi_clear_error();
+  if (nranks < 1 || nranks > EPX_MAX_RANKS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_layout_counts: nranks %d outside [1, %d]", nranks, EPX_MAX_RANKS);
+  if (num_experts < 1 || num_experts > EPX_MAX_EXPERTS)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "epx_layout_counts: num_experts %d outside [1, %d]", num_experts,
+                     EPX_MAX_EXPERTS);
+  if (num_experts % nranks)
+    return epxi_fail(EPX_ERR_EXPERTS_NOT_DIVISIBLE, "epx_layout_counts: num_experts %d is not a multiple of %d ranks",
+                     num_experts, nranks);
+  EPX_CHECK(epxi_check_routing_form(routing));
+  epxi_topk_t t;
+  EPX_CHECK(epxi_topk_from_routing(routing, num_experts, topk, &t));
+  epxi_count_layout(&t, nranks, num_experts / nranks, tokens_per_rank, tokens_per_expert, is_token_in_rank);
+  epxi_topk_free(&t);
+  return EPX_SUCCESS;
+}
+
 static epx_status_t get_layout_body(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
 
@@ -570,6 +608,13 @@ static epx_status_t handle_create_body(epx_comm_t *comm, const epx_handle_config
   if (hc->layout != EPX_LAYOUT_TOKEN && hc->layout != EPX_LAYOUT_EXPERT)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "unknown layout %d", (int)hc->layout);
   if (hc->align < 1) return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "align %d < 1", hc->align);
+  if (hc->recv_budget < 0)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_budget %lld < 0", (long long)hc->recv_budget);
+  if (hc->recv_budget > 0 && (hc->algo != EPX_ALGO_HT || hc->layout != EPX_LAYOUT_EXPERT))
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "recv_budget needs the expert layout of EPX_ALGO_HT");
+  if (hc->recv_budget > 0 && !comm->world->ops->recv_budget)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "recv_budget: the %s backend cannot drop past a receive budget yet",
+                     comm->world->ops->name);
   epx_handle_t *h = calloc(1, sizeof *h);
   if (!h) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "handle");
   h->comm = comm;
@@ -684,20 +729,28 @@ static epx_status_t notify_body(epx_comm_t *comm, epx_handle_t *handle, bool dea
   return plan(comm, handle, routing, false);
 }
 
-/* Registry locked: takes the handle's comm for the call. */
+/* Registry locked: takes the handle's comm for the call (arg: the call's name). */
 static epx_status_t enter_handle_comm(void *obj, void *arg) {
   epx_handle_t *h = obj;
-  (void)arg;
-  return comm_enter(h->comm, h, "epx_handle_info");
+  return comm_enter(h->comm, h, arg);
 }
+
+epx_status_t epxi_handle_take(const epx_handle_t *handle, const char *what) {
+  return epxi_obj_with(handle, EPXI_OBJ_HANDLE, what, enter_handle_comm, (void *)what);
+}
+
+epx_status_t epxi_handle_give(const epx_handle_t *handle, epx_status_t s) { return comm_leave(handle->comm, s); }
 
 epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info, int32_t *tokens_per_local_expert) {
   epxi_clear_error();
   if (!handle || !info) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_info: handle and info are required");
-  EPX_CHECK(epxi_obj_with(handle, EPXI_OBJ_HANDLE, "epx_handle_info", enter_handle_comm, NULL));
+  EPX_CHECK(epxi_handle_take(handle, "epx_handle_info"));
   epx_status_t s = check_handle(handle->comm, handle, false, true, "epx_handle_info");
-  if (s == EPX_SUCCESS) s = handle->comm->world->ops->handle_info(handle, info, tokens_per_local_expert);
-  return comm_leave(handle->comm, s);
+  if (s == EPX_SUCCESS) {
+    memset(info, 0, sizeof *info); /* fields a backend does not know stay 0 */
+    s = handle->comm->world->ops->handle_info(handle, info, tokens_per_local_expert);
+  }
+  return epxi_handle_give(handle, s);
 }
 
 /* ---- dispatch and combine ------------------------------------------------------------- */

@@ -271,6 +271,7 @@ struct epx_handle {
   bool planned;
   bool dispatch_follows; /* during a notify made by epx_dispatch: a failing rank aborts both */
   void *impl;            /* backend's per-handle state */
+  epx_node_traffic_t traffic; /* of the last dispatch and combine, counted by the backend */
 };
 
 
@@ -298,10 +299,19 @@ struct epxi_backend {
   /* Takes part in `op` as far as the peers need to learn that this rank failed with `status`
    * (the argument checks in api.c found it), so none of them waits for it. */
   epx_status_t (*abort)(epx_comm_t *comm, epx_handle_t *handle, epxi_op_t op, epx_status_t status);
+  /* Capabilities; the core refuses what a backend does not declare (a backend that leaves
+   * them out gets the narrow defaults):
+   *   wide_topk    takes topk up to EPX_MAX_TOPK (else up to EPXI_NARROW_TOPK)
+   *   recv_budget  implements the expert layout's receive budget (epx_handle_config_t) */
+  bool wide_topk;
+  bool recv_budget;
   /* Whether the backend carries comm->stamp in every call's first exchange and its abort
    * takes part with any handle (NULL, another comm's) and in any part (a lone COMPLETE).
    * Without it the core keeps refusing those calls without taking part. */
   bool stamped;
+  /* Implements groups of several nodes (config.ranks_per_node < nranks): the node-aware
+   * combine order and the handle's node traffic (core/nodes.c). */
+  bool nodes;
   /* epx_comm_abort and epx_comm_get_async_error (any thread, never wait); NULL: the backend
    * has none, and the calls give EPX_ERR_UNSUPPORTED. The host backend's are the group's
    * (epxi_comm_abort_group, epxi_comm_group_error); a GPU backend also ends its device waits
@@ -310,9 +320,18 @@ struct epxi_backend {
   epx_status_t (*async_error)(epx_comm_t *comm, char *why, size_t size);
 };
 
+/* A call on one handle alone (api.c): takes the handle, refused unless it is live, and its
+ * comm, refused while another thread is in a call on it (EPX_ERR_BUSY); give ends the call
+ * with its status (no message on success). */
+epx_status_t epxi_handle_take(const epx_handle_t *handle, const char *what);
+epx_status_t epxi_handle_give(const epx_handle_t *handle, epx_status_t s);
+
 /* The group part of the two hooks above (api.c). */
 epx_status_t epxi_comm_abort_group(epx_comm_t *comm);
 epx_status_t epxi_comm_group_error(epx_comm_t *comm, char *why, size_t size);
+
+/* The top-k every backend takes: the CUDA kernels have been run up to this width. */
+#define EPXI_NARROW_TOPK 16
 
 extern const epxi_backend_t epxi_host_backend;
 #ifdef EPX_HAVE_CUDA
@@ -332,6 +351,10 @@ epx_status_t epxi_topk_from_routing(const epx_routing_t *routing, int num_expert
 void epxi_topk_free(epxi_topk_t *t);
 /* Form-only checks that need no memory access (pointers, T, dtype). */
 epx_status_t epxi_check_routing_form(const epx_routing_t *routing);
+/* Layout of a normalised routing over nranks ranks of num_local experts; any output may be
+ * NULL (see epx_get_layout). */
+void epxi_count_layout(const epxi_topk_t *t, int nranks, int num_local, int32_t *tokens_per_rank,
+                       int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
 
 /* ---- plan math (plan.c) ---------------------------------------------------------------- */
 
@@ -353,9 +376,22 @@ int64_t epxi_expert_pairs(const epxi_counts_t *c, int d, int l);
 /* First row of each local expert's block on d, blocks padded to `align` rows: block[0..L],
  * block[L] being the rows in use. */
 void epxi_expert_blocks(const epxi_counts_t *c, int d, int align, int64_t *block);
+/* The receive budget (docs/design.md, "Receive budget"): the pairs destination d keeps of
+ * every source, kept[s * L + l] for its local expert l, given the pairs that would arrive
+ * (c->pair), its budget in rows (0 = none) and the block alignment. Returns the pairs d drops. */
+int64_t epxi_budget_keep(const epxi_counts_t *c, int d, int align, int64_t budget, int32_t *kept);
 /* First row of source s's pairs inside expert l's block on d. */
 int64_t epxi_expert_source_base(const epxi_counts_t *c, int d, int l, int s);
 static inline int64_t epxi_round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+/* ---- nodes (nodes.c) ------------------------------------------------------------------- */
+
+/* config.ranks_per_node: 0 or a divisor of nranks (at most nranks). */
+epx_status_t epxi_nodes_check_config(const epx_config_t *cfg, int nranks);
+/* The ranks of one node after defaults: 0 becomes nranks. */
+int epxi_nodes_resolve(int ranks_per_node, int nranks);
+/* EPX_ERR_UNSUPPORTED, on every rank alike, for several nodes on a backend without them. */
+epx_status_t epxi_nodes_supported(const epxi_backend_t *ops, const epx_config_t *cfg, int nranks);
 
 /* ---- a range allocator (suballoc.c) ---------------------------------------------------- */
 

@@ -22,6 +22,26 @@ static epx_status_t check_topk_row(int64_t t, const int32_t *row, int topk, int 
   return EPX_SUCCESS;
 }
 
+void epxi_count_layout(const epxi_topk_t *t, int nranks, int num_local, int32_t *tokens_per_rank,
+                       int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  const int K = t->topk;
+  if (tokens_per_rank) memset(tokens_per_rank, 0, sizeof(int32_t) * nranks);
+  if (tokens_per_expert) memset(tokens_per_expert, 0, sizeof(int32_t) * nranks * num_local);
+  for (int64_t i = 0; i < t->num_tokens; i++) {
+    bool in_rank[EPX_MAX_RANKS] = {false};
+    for (int k = 0; k < K; k++) {
+      int e = t->idx[i * K + k];
+      if (e < 0) continue;
+      in_rank[e / num_local] = true;
+      if (tokens_per_expert) tokens_per_expert[e]++;
+    }
+    for (int d = 0; d < nranks; d++) {
+      if (tokens_per_rank && in_rank[d]) tokens_per_rank[d]++;
+      if (is_token_in_rank) is_token_in_rank[i * nranks + d] = in_rank[d];
+    }
+  }
+}
+
 /* The shape checks of the host conversions: [T, E] and [T, K] arrays must be addressable. Every
    conversion starts here, so the message is cleared on entry: a success after a failure leaves none. */
 static epx_status_t check_converter_shape(int64_t num_tokens, int num_experts, int topk) {

@@ -45,9 +45,9 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
   const bool scaled = a.scale_by_probs && s.expert_layout, raw = a.recv_dtype == a.x_dtype && !scaled;
   const int64_t T = plan->num_tokens, W = plan->words;
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
-    void *dst[EPX_MAX_TOPK];
-    float *dscale[EPX_MAX_TOPK];
-    float factor[EPX_MAX_TOPK];
+    void *dst[EPXC_MAX_TOPK];
+    float *dscale[EPXC_MAX_TOPK];
+    float factor[EPXC_MAX_TOPK];
     int m = 0;
     if (!s.expert_layout) {
       for (int d = 0; d < R; d++) {

@@ -9,6 +9,10 @@
 /* ---- launches --------------------------------------------------------------------------- */
 
 #define EPXC_WARP 32                /* lanes of a warp */
+/* Routing slots a kernel holds per token in registers. The CUDA backend takes topk up to
+ * this (src/core refuses more: EPXI_NARROW_TOPK), so per-thread arrays stay sized for 16, not
+ * for EPX_MAX_TOPK (32), which would double their stack frames at every topk. */
+#define EPXC_MAX_TOPK 16
 #define EPXC_THREADS 1024           /* work kernels: ht.cu, a2a.cu, stage.cu */
 #define EPXC_WARPS (EPXC_THREADS / EPXC_WARP)
 /* Low-latency kernels wait on their own first block, so all blocks of every rank sharing a

@@ -31,9 +31,9 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shap
     for (int64_t t = warp_global(); t < T; t += warp_count()) {
       if (!bit_set(bits, t)) continue;
       const void *in = row_at(x, a.x_dtype, t, H);
-      void *dst[EPX_MAX_TOPK];
-      float *dscale[EPX_MAX_TOPK];
-      float factor[EPX_MAX_TOPK];
+      void *dst[EPXC_MAX_TOPK];
+      float *dscale[EPXC_MAX_TOPK];
+      float factor[EPXC_MAX_TOPK];
       int m;
       if (!s.expert_layout) {
         const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);

@@ -7,8 +7,8 @@
 static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, const void *topk_idx,
                                      epx_dtype_t idx_dtype, const uint8_t *map, int32_t *tokens_per_rank,
                                      int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
-  int32_t ids[EPX_MAX_TOPK];
-  float ws[EPX_MAX_TOPK];
+  int32_t ids[EPXC_MAX_TOPK];
+  float ws[EPXC_MAX_TOPK];
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
     int bad;
     const int st = read_route(&s, t, topk_idx, idx_dtype, NULL, map, NULL, ids, ws, &bad);
@@ -53,8 +53,8 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
     plan->num_tokens = T;
     plan->refused = EPX_SUCCESS;
   }
-  int32_t ids[EPX_MAX_TOPK];
-  float ws[EPX_MAX_TOPK];
+  int32_t ids[EPXC_MAX_TOPK];
+  float ws[EPXC_MAX_TOPK];
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
     int bad = 0;
     int st = read_route(&s, t, topk_idx, idx_dtype, topk_weights, map, probs, ids, ws, &bad);

@@ -141,8 +141,8 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
     const bool replay = r->replay != 0;
     if (replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS) && threadIdx.x == 0)
       plan->bad_key = (uint64_t)EPX_ERR_INVALID_ARGUMENT; /* nothing valid to replay */
-    int32_t ids[EPX_MAX_TOPK];
-    float ws[EPX_MAX_TOPK];
+    int32_t ids[EPXC_MAX_TOPK];
+    float ws[EPXC_MAX_TOPK];
     for (int64_t t = threadIdx.x; t < T && !(replay && (prev->status || prev->group_status)); t += blockDim.x) {
       int bad = 0, st = EPX_SUCCESS;
       if (replay)
@@ -284,9 +284,9 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     const void *stage = peer_ptr(&g, src_rank, sent->stage);
     const float *stage_scales = (const float *)peer_ptr(&g, src_rank, sent->stage_scales);
     const epx_dtype_t src_dtype = (epx_dtype_t)sent->stage_dtype; /* as the source staged it */
-    void *dst[EPX_MAX_TOPK];
-    float *dscale[EPX_MAX_TOPK];
-    float factor[EPX_MAX_TOPK];
+    void *dst[EPXC_MAX_TOPK];
+    float *dscale[EPXC_MAX_TOPK];
+    float factor[EPXC_MAX_TOPK];
     const int m = expert_rows(&s, plan, src_rank, src, t, &a, dst, dscale, factor);
     const void *in = row_at(stage, src_dtype, t, H);
     if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */

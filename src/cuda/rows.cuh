@@ -22,7 +22,7 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
  * Called by a whole warp. The source's routing is usually a peer's memory, across the link:
  * lane k reads slot k, so the K slots cost one round trip (then one more for the expert
  * bitmaps), not K. */
-static_assert(EPX_MAX_TOPK <= 32, "local_slots gives each routing slot a lane of its own");
+static_assert(EPXC_MAX_TOPK <= 32, "local_slots gives each routing slot a lane of its own");
 static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
                                   int64_t t, int64_t *row, float *weight) {
   const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank, lane = lane_id();
@@ -63,7 +63,7 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
 static __device__ int expert_rows(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
                                   int64_t t, const epxc_dispatch_t *a, void **dst, float **dscale, float *factor) {
   const int blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  int64_t row[EPX_MAX_TOPK];
+  int64_t row[EPXC_MAX_TOPK];
   const int m = local_slots(s, plan, src_rank, src, t, row, factor);
   for (int j = 0; j < m; j++) {
     dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row[j], s->hidden);
@@ -248,9 +248,9 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
  * weighted and summed in ascending local expert. */
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
                                         const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out) {
-  int64_t row[EPX_MAX_TOPK];
-  float w[EPX_MAX_TOPK];
-  const void *rows[EPX_MAX_TOPK];
+  int64_t row[EPXC_MAX_TOPK];
+  float w[EPXC_MAX_TOPK];
+  const void *rows[EPXC_MAX_TOPK];
   const int m = local_slots(s, plan, src_rank, src, t, row, w);
   for (int j = 0; j < m; j++) {
     w[j] = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row[j]] : w[j];

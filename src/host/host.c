@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/internal.h"
+#include "host/nodes.h"
 
 /* ---- rows in any element type ---------------------------------------------------------- */
 
@@ -73,7 +74,10 @@ typedef struct {
   bool ll, expert_layout;
   /* counts of every rank, from notify */
   int32_t *tok;   /* [R, R] */
-  int32_t *pair;  /* [R, E] */
+  int32_t *pair;  /* [R, E]: pairs that arrive (past a receive budget: those kept) */
+  int32_t *routed; /* [R, E]: pairs routed, when a budget dropped some (else NULL) */
+  int64_t num_dropped; /* pairs the whole group dropped */
+  int64_t budget; /* this rank's receive budget in rows, 0 = none */
   epxi_counts_t counts;
   /* send side */
   epxi_topk_t route;   /* [T, K] */
@@ -90,11 +94,14 @@ typedef struct {
   int64_t *recv_row;   /* [N, K]: expert-layout row of each slot, -1 if not on this rank */
   int32_t *pairs_per_local; /* [L] */
   int64_t *block;            /* [L + 1]: first row of each local expert's block here */
+  epxh_nodes_t nodes;        /* the node path (host/nodes.c) */
 } host_plan_t;
 
 static void plan_clear(host_plan_t *p) {
+  epxh_nodes_clear(&p->nodes);
   free(p->tok);
   free(p->pair);
+  free(p->routed);
   epxi_topk_free(&p->route);
   free(p->dest_row);
   free(p->slot_row);
@@ -110,6 +117,7 @@ static void plan_clear(host_plan_t *p) {
   p->nranks = keep.nranks, p->rank = keep.rank, p->num_experts = keep.num_experts;
   p->num_local = keep.num_local, p->topk = keep.topk, p->hidden = keep.hidden;
   p->align = keep.align, p->max_tokens = keep.max_tokens, p->ll = keep.ll, p->expert_layout = keep.expert_layout;
+  p->budget = keep.budget;
 }
 
 static epx_status_t host_handle_create(epx_handle_t *h) {
@@ -126,6 +134,7 @@ static epx_status_t host_handle_create(epx_handle_t *h) {
   p->max_tokens = c->cfg.max_tokens_per_rank;
   p->ll = h->hc.algo == EPX_ALGO_LL;
   p->expert_layout = h->hc.layout == EPX_LAYOUT_EXPERT;
+  p->budget = h->hc.recv_budget;
   h->impl = p;
   return EPX_SUCCESS;
 }
@@ -143,33 +152,11 @@ static void expert_blocks(const host_plan_t *p, int d, int64_t *block) {
   for (int l = 0; l <= p->num_local; l++) block[l] = (int64_t)l * p->nranks * p->max_tokens;
 }
 
-/* Layout of a normalised routing; any output may be NULL. */
-static void count_layout(const epxi_topk_t *t, int nranks, int num_local, int num_experts, int32_t *tokens_per_rank,
-                         int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
-  const int K = t->topk;
-  if (tokens_per_rank) memset(tokens_per_rank, 0, sizeof(int32_t) * nranks);
-  if (tokens_per_expert) memset(tokens_per_expert, 0, sizeof(int32_t) * num_experts);
-  for (int64_t i = 0; i < t->num_tokens; i++) {
-    bool in_rank[EPX_MAX_RANKS] = {false};
-    for (int k = 0; k < K; k++) {
-      int e = t->idx[i * K + k];
-      if (e < 0) continue;
-      in_rank[e / num_local] = true;
-      if (tokens_per_expert) tokens_per_expert[e]++;
-    }
-    for (int d = 0; d < nranks; d++) {
-      if (tokens_per_rank && in_rank[d]) tokens_per_rank[d]++;
-      if (is_token_in_rank) is_token_in_rank[i * nranks + d] = in_rank[d];
-    }
-  }
-}
-
 static epx_status_t host_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                                     int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   epxi_topk_t t;
   EPX_CHECK(epxi_topk_from_routing(routing, comm->cfg.num_experts, comm->cfg.topk, &t));
-  count_layout(&t, comm->nranks, comm->num_local_experts, comm->cfg.num_experts, tokens_per_rank, tokens_per_expert,
-               is_token_in_rank);
+  epxi_count_layout(&t, comm->nranks, comm->num_local_experts, tokens_per_rank, tokens_per_expert, is_token_in_rank);
   epxi_topk_free(&t);
   return EPX_SUCCESS;
 }
@@ -184,6 +171,9 @@ static epx_status_t agree(epx_comm_t *comm, const char *phase, epx_status_t mine
   EPX_CHECK(epxi_group_allgather(comm->world->group, comm->rank, phase, comm->cfg.timeout_ms, &stamp, sizeof stamp, all));
   return epxi_stamp_compare(all, comm->nranks, comm->rank, phase);
 }
+
+/* What the node path (host/nodes.c) borrows from this file. */
+static const epxh_ops_t host_ops = {.load = load_row, .store = store_row, .canonical = canonical_row};
 
 /* Shares `bytes` at `data` with the peers: peers[r] is rank r's copy, readable until the
  * caller's next barrier. */
@@ -201,6 +191,32 @@ static void *xcalloc(size_t n, size_t size, epx_status_t *s) {
   return p;
 }
 
+/* The receive budgets (one per destination, 0 = none), applied to the gathered counts: pair
+ * then holds the pairs each destination keeps (core/plan.c says which), routed what was
+ * routed. Every rank computes every destination's cut, so sources and destinations agree
+ * without another exchange. */
+static epx_status_t apply_budgets(host_plan_t *p, const int64_t *budgets) {
+  const int R = p->nranks, E = p->num_experts, L = p->num_local;
+  bool any = false;
+  for (int d = 0; d < R; d++) any |= budgets[d] > 0;
+  if (!any) return EPX_SUCCESS;
+  epx_status_t s = EPX_SUCCESS;
+  p->routed = xcalloc((size_t)R * E, sizeof(int32_t), &s);
+  int32_t *kept = xcalloc((size_t)R * L, sizeof(int32_t), &s);
+  if (s == EPX_SUCCESS) {
+    memcpy(p->routed, p->pair, sizeof(int32_t) * R * E);
+    epxi_counts_t routed = p->counts;
+    routed.pair = p->routed;
+    for (int d = 0; d < R; d++) {
+      p->num_dropped += epxi_budget_keep(&routed, d, p->align, budgets[d], kept);
+      for (int q = 0; q < R; q++)
+        for (int l = 0; l < L; l++) p->pair[q * E + d * L + l] = kept[q * L + l];
+    }
+  }
+  free(kept);
+  return s;
+}
+
 /* Send side: where each of this rank's tokens and pairs lands. Tokens are visited in order,
  * so rows keep (source rank, source token) order within every block. */
 static void plan_send(host_plan_t *p) {
@@ -213,15 +229,20 @@ static void plan_send(host_plan_t *p) {
     for (int l = 0; l < L; l++) next_pair[d * L + l] = block[l] + epxi_expert_source_base(&p->counts, d, l, me);
   }
   free(block);
+  int64_t *sent = calloc(p->num_experts, sizeof(int64_t)); /* pairs routed to each expert so far */
   for (int64_t t = 0; t < p->route.num_tokens; t++) {
     bool in_rank[EPX_MAX_RANKS] = {false};
     for (int k = 0; k < K; k++) {
       int e = p->route.idx[t * K + k];
-      p->slot_row[t * K + k] = e < 0 ? -1 : next_pair[e]++;
+      /* past its destination's budget a pair is dropped: it has no row (the token still
+       * crosses for the pairs kept, or as a zero partial) */
+      bool kept = e >= 0 && sent[e]++ < p->pair[me * p->num_experts + e];
+      p->slot_row[t * K + k] = kept ? next_pair[e]++ : -1;
       if (e >= 0) in_rank[e / L] = true;
     }
     for (int d = 0; d < R; d++) p->dest_row[t * R + d] = in_rank[d] ? next_tok[d]++ : -1;
   }
+  free(sent);
   free(next_pair);
 }
 
@@ -241,8 +262,10 @@ static void route_blob_pack(const epxi_topk_t *r, void *blob) {
 static void plan_recv(host_plan_t *p, const void *const *routes) {
   const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
   int64_t n = 0;
-  int64_t *next_pair = calloc(L, sizeof(int64_t));
+  int64_t *next_pair = calloc(L, sizeof(int64_t)), *arrived = calloc(L, sizeof(int64_t));
   for (int s = 0; s < R; s++) {
+    const int32_t *kept = p->pair + (size_t)s * p->num_experts + (size_t)me * L;
+    for (int l = 0; l < L; l++) arrived[l] = 0;
     int64_t T;
     memcpy(&T, routes[s], sizeof T);
     const int32_t *idx = (const int32_t *)((const char *)routes[s] + sizeof(int64_t));
@@ -256,7 +279,7 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
       p->recv_tok[n] = t;
       for (int k = 0; k < K; k++) {
         int e = idx[t * K + k];
-        bool here = e >= 0 && e / L == me;
+        bool here = e >= 0 && e / L == me && arrived[e % L]++ < kept[e % L];
         p->recv_local[n * K + k] = here ? e % L : -1;
         p->recv_weight[n * K + k] = here ? w[t * K + k] : 0.0f;
         p->recv_row[n * K + k] = here ? next_pair[e % L]++ : -1;
@@ -264,7 +287,19 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
       n++;
     }
   }
+  free(arrived);
   free(next_pair);
+}
+
+/* The node path's plan, from every source's routing (low-latency mode: the flat order). */
+static epx_status_t plan_nodes(const epx_comm_t *comm, host_plan_t *p, const void *const *routes) {
+  int64_t T[EPX_MAX_RANKS];
+  const int32_t *idx[EPX_MAX_RANKS];
+  for (int s = 0; s < p->nranks; s++) {
+    memcpy(&T[s], routes[s], sizeof T[s]);
+    idx[s] = (const int32_t *)((const char *)routes[s] + sizeof(int64_t));
+  }
+  return epxh_nodes_plan(&p->nodes, comm, p->ll, p->topk, p->num_local, T, idx);
 }
 
 static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_routing_t *routing) {
@@ -278,12 +313,14 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
                   (long long)p->route.num_tokens, p->max_tokens);
 
   /* Counts: what this rank sends to each rank and expert, gathered from every rank. */
-  size_t row_ints = (size_t)R + E;
+  size_t row_ints = (size_t)R + E + 1; /* counts, then this rank's receive budget */
   int32_t *mine = xcalloc(row_ints, sizeof(int32_t), &s);
   int32_t *all = xcalloc(row_ints * R, sizeof(int32_t), &s);
   p->tok = xcalloc((size_t)R * R, sizeof(int32_t), &s);
   p->pair = xcalloc((size_t)R * E, sizeof(int32_t), &s);
-  if (s == EPX_SUCCESS) count_layout(&p->route, R, L, E, mine, mine + R, NULL);
+  if (s == EPX_SUCCESS) epxi_count_layout(&p->route, R, L, mine, mine + R, NULL);
+  if (mine) mine[R + E] = p->budget > INT32_MAX ? INT32_MAX : (int32_t)p->budget;
+  int64_t budgets[EPX_MAX_RANKS] = {0};
   epx_status_t agreed = agree(comm, "notify:validate", s);
   if (agreed == EPX_SUCCESS)
     agreed = epxi_group_allgather(comm->world->group, me, "notify:counts", comm->cfg.timeout_ms, mine,
@@ -292,6 +329,7 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
     for (int q = 0; q < R; q++) {
       memcpy(p->tok + q * R, all + q * row_ints, sizeof(int32_t) * R);
       memcpy(p->pair + q * E, all + q * row_ints + R, sizeof(int32_t) * E);
+      budgets[q] = all[q * row_ints + R + E];
     }
   free(mine);
   free(all);
@@ -300,6 +338,7 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
     return agreed;
   }
   p->counts = (epxi_counts_t){.nranks = R, .num_experts = E, .num_local = L, .tok = p->tok, .pair = p->pair};
+  s = apply_budgets(p, budgets);
 
   /* Positions. */
   const int64_t T = p->route.num_tokens;
@@ -336,7 +375,9 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
   if (s == EPX_SUCCESS) s = share(comm, "notify:routes", blob, route_blob_bytes(T, K), routes);
   if (s == EPX_SUCCESS) {
     plan_recv(p, routes);
+    epx_status_t nodes = plan_nodes(comm, p, routes);
     s = done_reading(comm, "notify:routes-read");
+    if (s == EPX_SUCCESS) s = agree(comm, "notify:nodes", nodes);
   }
   free(blob);
   if (s != EPX_SUCCESS) plan_clear(p);
@@ -370,14 +411,28 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   epx_status_t input = EPX_SUCCESS;
   if (T > 0 && !a->x)
     input = epxi_fail(EPX_ERR_NULL_POINTER, "dispatch on rank %d: x is NULL with %lld tokens", me, (long long)T);
-  EPX_CHECK(agree(comm, "dispatch:validate", input));
+  /* rows from other nodes come through this node's rail peers */
+  void *fwd = epxh_nodes_forward_alloc(&p->nodes, H * epx_dtype_size(a->x_dtype), &input);
+  input = agree(comm, "dispatch:validate", input);
+  if (input != EPX_SUCCESS) {
+    free(fwd);
+    return input;
+  }
   epx_status_t s = EPX_SUCCESS;
   if (!p->ll && a->recv_capacity < p->num_rows)
     s = epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld", me,
                   (long long)p->num_rows, (long long)a->recv_capacity);
 
-  const void *xs[EPX_MAX_RANKS];
-  EPX_CHECK(share(comm, "dispatch:x", a->x, (size_t)T * H * epx_dtype_size(a->x_dtype), xs));
+  const void *xs[EPX_MAX_RANKS], *fwds[EPX_MAX_RANKS];
+  /* fp8 is quantised at the source, unless each expert scales its copy (then x crosses) */
+  const bool fp8_wire = a->recv_dtype == EPX_FP8_E4M3 && !(a->scale_by_probs && p->expert_layout);
+  const size_t x_row = H * epx_dtype_size(a->x_dtype), wire = fp8_wire ? H + sizeof(float) * scale_blocks(H) : x_row;
+  epx_status_t shared = share(comm, "dispatch:x", a->x, (size_t)T * x_row, xs);
+  if (shared == EPX_SUCCESS) shared = epxh_nodes_forward(&p->nodes, comm, xs, x_row, wire, fwd, fwds, &h->traffic);
+  if (shared != EPX_SUCCESS) {
+    free(fwd);
+    return shared;
+  }
   float *row = malloc(sizeof(float) * H), *scaled = malloc(sizeof(float) * H);
   if (!row || !scaled) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "dispatch row");
   if (s == EPX_SUCCESS && p->expert_layout && !p->ll) /* padding rows: zero data, zero weight */
@@ -392,11 +447,12 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   const bool copy = a->recv_dtype == a->x_dtype;
   const size_t row_bytes = (size_t)H * epx_dtype_size(a->x_dtype);
   for (int64_t n = 0; n < p->num_recv && s == EPX_SUCCESS; n++) {
-    const void *src_x = xs[p->recv_src[n]];
-    load_row(src_x, a->x_dtype, p->recv_tok[n], H, row);
+    int64_t from_row;
+    const void *from = epxh_nodes_arrival(&p->nodes, n, p->recv_src[n], p->recv_tok[n], xs, fwds, &from_row);
+    load_row(from, a->x_dtype, from_row, H, row);
     if (!p->expert_layout) {
       if (copy)
-        copy_row(a->recv_x, n, src_x, p->recv_tok[n], row_bytes);
+        copy_row(a->recv_x, n, from, from_row, row_bytes);
       else
         store_recv_row(a, a->recv_x, a->recv_scales, n, H, row);
       if (a->recv_topk_idx) memcpy(a->recv_topk_idx + n * K, p->recv_local + n * K, sizeof(int32_t) * K);
@@ -411,7 +467,7 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
         for (int c = 0; c < H; c++) scaled[c] = canonical(w * row[c]);
         store_recv_row(a, a->recv_x, a->recv_scales, r, H, scaled);
       } else if (copy) {
-        copy_row(a->recv_x, r, src_x, p->recv_tok[n], row_bytes);
+        copy_row(a->recv_x, r, from, from_row, row_bytes);
       } else {
         store_recv_row(a, a->recv_x, a->recv_scales, r, H, row);
       }
@@ -420,10 +476,13 @@ static epx_status_t host_dispatch(epx_comm_t *comm, epx_handle_t *h, const epx_d
   }
   free(row);
   free(scaled);
-  EPX_CHECK(done_reading(comm, "dispatch:x-read"));
+  epx_status_t read = done_reading(comm, "dispatch:x-read");
+  free(fwd);
+  EPX_CHECK(read);
   if (s == EPX_SUCCESS) {
     if (a->tokens_per_local_expert) memcpy(a->tokens_per_local_expert, p->pairs_per_local, sizeof(int32_t) * p->num_local);
     if (a->num_recv_rows) *a->num_recv_rows = p->ll ? p->num_pairs : p->num_rows;
+    if (a->dropped) *a->dropped = p->num_dropped > INT32_MAX ? INT32_MAX : (int32_t)p->num_dropped;
   }
   return s;
 }
@@ -477,9 +536,11 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   if (T > 0 && !a->out) s = epxi_fail(EPX_ERR_NULL_POINTER, "combine on rank %d: out is NULL", me);
   void *partials = NULL;
   if (s == EPX_SUCCESS && p->expert_layout) s = reduce_partials(p, a, &partials);
+  void *node_partials = epxh_nodes_combine_alloc(&p->nodes, H, a->y_dtype, &s);
   s = agree(comm, "combine:validate", s);
   if (s != EPX_SUCCESS) {
     free(partials);
+    free(node_partials);
     return s;
   }
 
@@ -495,27 +556,19 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
   }
   if (s != EPX_SUCCESS) {
     free(partials);
+    free(node_partials);
     return s;
   }
 
-  /* Source side: sum what comes back from each destination, in rank order. */
-  float *acc = malloc(sizeof(float) * H), *y = malloc(sizeof(float) * H);
-  epx_dtype_t row_dtype = a->y_dtype;
-  for (int64_t t = 0; t < T; t++) {
-    for (int c = 0; c < H; c++) acc[c] = 0.0f;
-    for (int d = 0; d < R; d++) {
-      int64_t r = p->dest_row[t * R + d];
-      if (r < 0) continue;
-      load_row(rows[d], row_dtype, r, H, y);
-      for (int c = 0; c < H; c++) acc[c] += y[c];
-    }
-    canonical_row(acc, H);
-    store_row(a->out, a->out_dtype, t, H, acc);
-    if (!a->topk_weight_grad) continue;
+  /* Source side: what comes back from each node, in node order, each node's ranks summed by
+   * its rail peer in rank order (host/nodes.c; one node: the ranks in rank order). */
+  s = epxh_nodes_combine(&p->nodes, comm, &host_ops, rows, a->y_dtype, a->out, a->out_dtype, node_partials,
+                         &h->traffic);
+  for (int64_t t = 0; t < T && s == EPX_SUCCESS && a->topk_weight_grad; t++) {
     for (int k = 0; k < K; k++) {
       int e = p->route.idx[t * K + k];
       float g = 0.0f;
-      if (e >= 0) {
+      if (e >= 0 && (!p->expert_layout || p->slot_row[t * K + k] >= 0)) {
         int d = e / p->num_local;
         const float *wg = wgrads[d];
         g = p->expert_layout ? wg[p->slot_row[t * K + k]] : wg[p->dest_row[t * R + d] * K + k];
@@ -523,11 +576,10 @@ static epx_status_t host_combine(epx_comm_t *comm, epx_handle_t *h, const epx_co
       a->topk_weight_grad[t * K + k] = g;
     }
   }
-  free(acc);
-  free(y);
-  s = done_reading(comm, "combine:read");
+  epx_status_t read = done_reading(comm, "combine:read");
+  free(node_partials);
   free(partials);
-  return s;
+  return s != EPX_SUCCESS ? s : read;
 }
 
 /* Every operation opens with an agreement on the ranks' statuses: joining it is enough. */
@@ -549,5 +601,8 @@ const epxi_backend_t epxi_host_backend = {
     .abort = host_abort,
     .comm_abort = epxi_comm_abort_group,
     .async_error = epxi_comm_group_error,
+    .wide_topk = true,
+    .recv_budget = true,
     .stamped = true,
+    .nodes = true,
 };

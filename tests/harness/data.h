@@ -59,6 +59,7 @@ typedef struct {
   float *w[TU_MAX_RANKS];      /* [T, K], junk on -1 slots; all NULL when built without weights */
   uint8_t *map[TU_MAX_RANKS];  /* [T, E]; built by tu_moe_make_map */
   float *probs[TU_MAX_RANKS];  /* [T, E] or NULL */
+  int ranks_per_node;          /* the combine order tu_dense follows (0: one node, flat) */
 } tu_moe_t;
 
 /* Random tokens and routing. T[r] as given. with_weights = 0 leaves w NULL (every weight 1). */

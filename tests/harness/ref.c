@@ -6,7 +6,8 @@
 
 void tu_dense_at(const char *file, int line, const tu_moe_t *m, epx_dtype_t recv_dtype, epx_dtype_t y_dtype,
                  epx_dtype_t out_dtype, int expert_layout, const float *const *weights, void **out) {
-  dense_cfg_t c = {m->R, m->E, m->H, m->K, m->x_dtype, recv_dtype, y_dtype, out_dtype, expert_layout};
+  dense_cfg_t c = {m->R, m->E, m->H, m->K, m->x_dtype, recv_dtype, y_dtype, out_dtype, expert_layout,
+                   m->ranks_per_node};
   for (int r = 0; r < m->R; r++) out[r] = tu_alloc_poison((size_t)(m->T[r] * m->H) * epx_dtype_size(out_dtype));
   int rc = dense_moe(&c, m->T, (const void *const *)m->x, (const int32_t *const *)m->idx, weights, out);
   if (rc == 0)

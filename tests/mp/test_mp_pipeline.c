@@ -2,7 +2,8 @@
  * a unique id and through a caller's allgather, run random routings through notify, dispatch
  * and combine in the token layout, the expert layout and low-latency mode; every rank
  * compares its combine output bit for bit with dense_moe, which each process computes for
- * the whole group from the shared seed. Also: descriptors and /dev/shm are as before. */
+ * the whole group from the shared seed; groups of 4 and 6 processes also in nodes of 2 and 3
+ * (node-aware combine order). Also: descriptors and /dev/shm are as before. */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,7 @@ static const scenario_t scenarios[] = {
 
 typedef struct {
   int R, L, H, K, max_tokens;
+  int ranks_per_node; /* 0: one node */
 } shape_t;
 
 /* What one routing's run on this rank received, and the combine's outputs. */
@@ -99,6 +101,7 @@ static int run_routing(const scenario_t *sc, const shape_t *sh, epx_comm_t *comm
   const bool ll = sc->algo == EPX_ALGO_LL, expert = ll || sc->layout == EPX_LAYOUT_EXPERT;
   tu_moe_t m;
   tu_moe_stream(&m, tu_seed, (uint64_t)(si * 16 + it), R, R * L, H, K, sc->x, sh->max_tokens);
+  m.ranks_per_node = ll ? 0 : sh->ranks_per_node; /* low-latency combines in the flat order */
   const int64_t T = m.T[me];
   epx_routing_t rt = tu_routing(&m, me, sc->idx64 ? TU_FORM_TOPK64 : TU_FORM_TOPK32);
   char what[300];
@@ -181,6 +184,7 @@ static void rank_main(mp_ctx_t *ctx) {
   cfg.topk = sh->K;
   cfg.max_tokens_per_rank = sh->max_tokens;
   cfg.timeout_ms = 20000;
+  cfg.ranks_per_node = sh->ranks_per_node;
   epx_comm_t *comm = NULL;
   if (CHECK_STATUS(epx_comm_init(world, me, &cfg, &comm), EPX_SUCCESS, "%s comm_init", tag)) {
     CHECK(epx_comm_rank(comm) == me && epx_comm_nranks(comm) == sh->R, "%s: comm rank/size", tag);
@@ -200,8 +204,8 @@ static void rank_main(mp_ctx_t *ctx) {
 
 /* One run of the group: sh->R processes through bootstrap `boot`. */
 static void launch(shape_t *sh, mp_boot_t boot, const char *label, int limit_s) {
-  printf("-- %d processes, %s bootstrap%s: L=%d H=%d K=%d max_tokens=%d\n", sh->R, mp_boot_name(boot), label, sh->L,
-         sh->H, sh->K, sh->max_tokens);
+  printf("-- %d processes, %s bootstrap%s: L=%d H=%d K=%d max_tokens=%d ranks_per_node=%d\n", sh->R,
+         mp_boot_name(boot), label, sh->L, sh->H, sh->K, sh->max_tokens, sh->ranks_per_node);
   mp_launch_t l = {.nprocs = sh->R, .boot = boot, .limit_s = limit_s};
   double t0 = tu_now();
   mp_launch(&l, rank_main, sh);
@@ -230,6 +234,11 @@ int main(void) {
   for (int b = 0; b < 2; b++) {
     shape_t sh = {.R = 3 + b, .L = 2, .H = 1024, .K = 4, .max_tokens = 160};
     launch(&sh, (mp_boot_t)b, ", large", 120);
+  }
+  /* Simulated nodes: processes grouped in nodes, combine in the node-aware order. */
+  for (int b = 0; b < 2; b++) {
+    shape_t sh = {.R = 4 + 2 * b, .L = 2, .H = 64, .K = 4, .max_tokens = 24, .ranks_per_node = 2 + b};
+    launch(&sh, (mp_boot_t)b, ", nodes", 90);
   }
   char extra[1024];
   int n = mp_shm_new(shm_before, extra, sizeof extra);

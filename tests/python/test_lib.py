@@ -49,6 +49,7 @@ STRUCTS = {
     "epx_routing_t": _lib.Routing,
     "epx_handle_config_t": _lib.HandleConfig,
     "epx_handle_info_t": _lib.HandleInfo,
+    "epx_node_traffic_t": _lib.NodeTraffic,
     "epx_dispatch_args_t": _lib.DispatchArgs,
     "epx_combine_args_t": _lib.CombineArgs,
 }
