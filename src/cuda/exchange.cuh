@@ -14,11 +14,12 @@
 static_assert(sizeof(epxc_slot_t) == sizeof(uint64_t) * (1 + EPXC_SLOT_WORDS), "a mailbox is a flag and its words");
 static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "every kind of words fits a slot");
 
-/* Posts this rank's words and the stamp of the call it opens (NULL: none) to every peer. Call
- * from every thread of one block. Returns the exchange's epoch, or 0 when this rank stopped
- * earlier. */
+/* Posts this rank's words and the stamp of the call it opens (all zero: none) to every peer.
+ * Call from every thread of one block. Returns the exchange's epoch, or 0 when this rank
+ * stopped earlier. The stamp comes by value: a kernel parameter whose address is taken is
+ * copied to local memory first. */
 static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                         const epxc_stamp_t *stamp) {
+                                         const epxc_stamp_t stamp) {
   epxc_state_t *me = g->state[g->rank];
   __shared__ uint64_t ex_epoch;
   if (threadIdx.x == 0) {
@@ -32,7 +33,7 @@ static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const
     /* the stamp and the phase tag: ranks that disagree on where they are fail loudly */
     epxc_slot_t *slot = &g->state[r]->post[epoch & 1][g->rank];
     for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) slot->words.word[i] = words->word[i];
-    for (int i = 0; i < EPXC_STAMP_WORDS; i++) slot->stamp.word[i] = stamp ? stamp->word[i] : 0;
+    for (int i = 0; i < EPXC_STAMP_WORDS; i++) slot->stamp.word[i] = stamp.word[i];
     slot->phase_tag = EPXC_PHASE_TAG + (uint64_t)phase;
     st_release(&slot->flag, epoch);
   }
@@ -131,7 +132,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
 }
 
 static __device__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                      const epxc_stamp_t *stamp) {
+                                      const epxc_stamp_t stamp) {
   return exchange_wait(g, phase, exchange_post(g, phase, words, stamp));
 }
 

@@ -252,7 +252,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
       w.ll_dispatch.stage = (uint64_t)(uintptr_t)ll->stage[p];
       w.ll_dispatch.stage_scales = (uint64_t)(uintptr_t)ll->stage_scales[p];
       w.ll_dispatch.stage_dtype = (uint64_t)stage_dtype;
-      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w, &stamp);
+      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w, stamp);
       if (threadIdx.x == 0) {
         ll->dispatches = calls + 1;
         ll->dispatch_epoch = posted;
@@ -361,7 +361,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
       w.combine.status = (uint64_t)(uint32_t)plan->group_status;
       w.combine.rows = (uint64_t)(uintptr_t)partials;
       w.combine.row_weight_grad = (uint64_t)(uintptr_t)wgrad;
-      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w, &stamp);
+      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w, stamp);
       if (threadIdx.x == 0) {
         ll->combines = calls + 1;
         ll->combine_epoch = posted;

@@ -2,6 +2,7 @@
  * rank's plan, meets the peers in one exchange (plan pointers and statuses), derives the
  * receive side and closes; dispatch and combine each open with an exchange of what peers pull
  * and close with one that tells the peers this rank has finished reading theirs. */
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda/backend.h"
@@ -42,8 +43,16 @@ static epx_status_t wait_counts(epx_comm_t *c, cuda_handle_t *ch, const epx_rout
   /* Every rank decides from the statuses the exchange agreed on; a recoverable record left
    * from an earlier call must not make this one fail on one rank only. */
   EPX_CHECK(report(c, false));
-  /* the ranks' calls differ: the record names the field and the ranks */
-  if (sum->group_status == EPX_ERR_CONFIG_MISMATCH) return report(c, true);
+  /* the ranks' calls differ: the record names the field and the ranks (unless an earlier,
+   * unreported record of this rank stands in its place) */
+  if (sum->group_status == EPX_ERR_CONFIG_MISMATCH) {
+    const epx_status_t s = report(c, true);
+    if (s == EPX_ERR_CONFIG_MISMATCH) return s;
+    char earlier[512];
+    snprintf(earlier, sizeof earlier, "%s", epx_last_error());
+    return epxi_fail(EPX_ERR_CONFIG_MISMATCH, "rank %d: notify: the ranks' calls differ in their settings or "
+                     "arguments (this rank's record held an earlier failure: %s)", c->rank, earlier);
+  }
   if (sum->group_status) {
     volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
     const int who = e->peer;
