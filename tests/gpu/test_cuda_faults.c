@@ -168,7 +168,8 @@ static epx_status_t unpaired_call(pairing_t *p, int r, epx_comm_t *comm, epx_han
 static void pair_calls(pairing_t *p, int r, epx_comm_t *comm) {
   pair_rank_t *b = &p->rk[r];
   epx_handle_t *bad = NULL, *good = NULL;
-  epx_handle_config_t hc = tu_handle_config(p->algo, p->layout, p->layout == EPX_LAYOUT_EXPERT ? 16 : 1), hb = hc;
+  const int align = p->layout == EPX_LAYOUT_EXPERT && p->algo != EPX_ALGO_LL ? 16 : 1;
+  epx_handle_config_t hc = tu_handle_config(p->algo, p->layout, align), hb = hc;
   hc.exact = hb.exact = p->exact;
   if (p->diff == DIFF_ALIGN) hb.align = r == PR - 1 ? 1 : 16;
   if (p->diff == DIFF_LAYOUT) hb.layout = r & 1 ? EPX_LAYOUT_EXPERT : EPX_LAYOUT_TOKEN;
@@ -302,7 +303,7 @@ static void pairing(diff_t diff, epx_algo_t algo, epx_layout_t layout, int exact
   pair_out_t got[2];
   for (int cuda = 0; cuda <= 1; cuda++) {
     pairing_t p = {.diff = diff, .cuda = cuda, .exact = exact, .algo = algo, .layout = layout, .m = &m};
-    p.cap = algo == EPX_ALGO_LL ? (int64_t)E * PT : (int64_t)PR * PT * K;
+    p.cap = algo == EPX_ALGO_LL ? (int64_t)E * PT : (int64_t)PR * PT * K + E * 16; /* every pair, padded */
     pair_run(&p, &got[cuda]);
     if (cuda == 0) continue;
     for (int r = 0; r < PR; r++) {
