@@ -245,10 +245,11 @@ static void pair_collect(pairing_t *p, pair_out_t *o) {
     pair_rank_t *b = &p->rk[r];
     const size_t n[] = {row * p->cap, row * PT, sizeof(float) * PT * K, sizeof(int32_t) * E};
     void *untouched[] = {b->recv_bad, b->out_bad, b->tgrad_bad, b->cnt_bad};
+    static const char *const names[] = {"recv_x", "out", "topk_weight_grad", "tokens_per_local_expert"};
     for (int i = 0; i < 4; i++) {
       void *h = gu_host_copy(p->cuda, untouched[i], n[i]);
-      CHECK(tu_is_poison(h, n[i]), "%s, %s: rank %d: output %d of the unpaired call was written", diff_names[p->diff],
-            p->cuda ? "cuda" : "host", r, i);
+      CHECK(tu_is_poison(h, n[i]), "%s, %s: rank %d: the unpaired call wrote %s", diff_names[p->diff],
+            p->cuda ? "cuda" : "host", r, names[i]);
       free(h);
     }
     o->recv[r] = gu_host_copy(p->cuda, b->recv, row * p->cap);
