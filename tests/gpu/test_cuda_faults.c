@@ -290,6 +290,7 @@ static void pair_run(pairing_t *p, pair_out_t *o) {
             epx_status_string(b->good), b->msg);
   }
   if (p->diff == DIFF_OP) CHECK(strstr(p->rk[1].msg, "epx_dispatch") != NULL, "the message names both calls");
+  printf("  %s, %s: rank 1 says: %s\n", what, be, p->rk[1].msg);
   pair_collect(p, o);
 }
 
