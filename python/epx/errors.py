@@ -40,6 +40,7 @@ class Error(Exception):
     CudaError                   CUDA                            RuntimeError
     BrokenCommError             BROKEN                          RuntimeError
     InternalError               INTERNAL                        RuntimeError
+    OutOfStepError              OUT_OF_STEP                     RuntimeError
     ==========================  ==============================  ==========================
     """
 
@@ -87,6 +88,9 @@ SystemCallError = _errcls("SystemCallError", Status.SYSTEM, RuntimeError)
 CudaError = _errcls("CudaError", Status.CUDA, RuntimeError)
 BrokenCommError = _errcls("BrokenCommError", Status.BROKEN, RuntimeError)
 InternalError = _errcls("InternalError", Status.INTERNAL, RuntimeError)
+OutOfStepError = _errcls("OutOfStepError", Status.OUT_OF_STEP, RuntimeError,
+                         doc="Status EPX_ERR_OUT_OF_STEP: the ranks were in different collective calls (another "
+                             "operation, call number or handle); the comm is broken afterwards.")
 TimeoutError_ = CommTimeoutError
 
 
@@ -124,6 +128,7 @@ _ERRORS = {
     Status.CUDA: CudaError,
     Status.BROKEN: BrokenCommError,
     Status.INTERNAL: InternalError,
+    Status.OUT_OF_STEP: OutOfStepError,
 }
 
 
