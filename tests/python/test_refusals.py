@@ -161,7 +161,8 @@ def _process_worker(uid, r, bad_rank, seed, q):
         inputs = make_inputs(seed, R, E, H, K, TOKENS)
         with epx.World.from_unique_id(uid, r, R, backend="host") as w:
             err, took, recv_x, out = _rank(lambda rr: w.comm(**CFG), r, "dispatch", "shape", bad_rank, inputs, seed)
-            q.put((r, "ok", (None if err is None else (type(err).__name__, err.status, err.message), took, recv_x, out)))
+            e = None if err is None else (type(err).__name__, err.status, err.message)
+            q.put((r, "ok", (e, took, recv_x, out)))
     except BaseException:  # report, never hang the parent
         q.put((r, "error", traceback.format_exc()))
 
@@ -183,3 +184,53 @@ def test_refusing_rank_takes_part_across_processes():
         cls = getattr(epx, name)
         results.append((cls(status, message), took, recv_x, out))
     _check(results, "dispatch", "shape", bad_rank, make_inputs(seed, R, E, H, K, TOKENS), seed)
+
+
+# ---- torch: epx.torch.dispatch checks its arguments, then calls Handle.dispatch ---------------
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("where", ["handle", "epx.torch"])
+def test_torch_refusal_takes_part_once(world4, where):
+    """A refusal in Handle.dispatch under epx.torch.dispatch, or in epx.torch.dispatch's own
+    checks, takes part once: the correct layer after it pairs with the peers' (a second
+    refused call would pair with their next dispatch instead)."""
+    torch = pytest.importorskip("torch")
+    import epx.torch as et
+
+    seed = 99
+    inputs = make_inputs(seed, R, E, H, K, TOKENS)
+    experts = Experts(seed, E, H)
+    bad_rank = int(rng(seed).integers(R))
+
+    def rank(r):
+        x, idx, w = (torch.from_numpy(a[r]) for a in inputs)
+        with world4.comm(r, **CFG) as comm, comm.handle("ht", "expert") as h:
+            err, t0 = None, time.monotonic()
+            try:
+                if r != bad_rank:
+                    et.dispatch(h, x, idx, w)
+                elif where == "handle":
+                    et.dispatch(h, x[:, :-1].contiguous(), idx, w)
+                else:
+                    et.dispatch(h, x, idx, w, probs=w)  # probs go with a routing map
+            except epx.Error as e:
+                err = e
+            took = time.monotonic() - t0
+            res = et.dispatch(h, x, idx, w)
+            y, start = np.zeros(tuple(res.recv_x.shape), np.float32), 0
+            for l, c in enumerate(res.tokens_per_local_expert.tolist()):
+                y[start:start + c] = experts(r * L + l, res.recv_x[start:start + c].detach().numpy())
+                start += c
+            out = et.combine(h, torch.from_numpy(y), res.recv_probs)  # weighted by the routing's weights
+            return err, took, res.recv_x.detach().numpy(), out.detach().numpy()
+
+    results = world4.run(rank)
+    for r, (err, took, _, _) in enumerate(results):
+        assert err is not None and took < TIMEOUT_MS / 1000 / 2, (r, err, took)
+        if r == bad_rank:
+            want = epx.ShapeError if where == "handle" else epx.InvalidArgumentError
+            assert type(err) is want and not err.message.startswith("epx_"), (r, err)
+        else:
+            assert err.status == epx.Status.INVALID_ARGUMENT and f"rank {bad_rank} failed" in err.message, (r, err)
+    _check_layer([res[2:] for res in results], inputs, seed)
