@@ -53,28 +53,32 @@ class Handle(_Owned):
                  recv_budget: int = 0):
         self._ptr = None
         lib = _lib.load()
-        hc = _lib.HandleConfig()
-        lib.epx_handle_config_init(ctypes.byref(hc))
-        hc.algo = int(_parse_algo(algo))
-        hc.layout = int(_parse_layout(layout))
-        if not isinstance(align, (int, np.integer)) or align < 1:
-            _arg_error(f"align must be an int >= 1, got {align!r}")
-        hc.align = int(align)
-        hc.exact = 1 if exact else 0
-        if not isinstance(recv_budget, (int, np.integer)) or recv_budget < 0:
-            _arg_error(f"recv_budget must be an int >= 0, got {recv_budget!r}")
-        hc.recv_budget = int(recv_budget)
-        self.recv_budget = int(recv_budget)
-        self.comm = comm
-        self._algo = Algo(hc.algo)
-        self._layout = _LayoutKind.EXPERT if self._algo == Algo.LL else _LayoutKind(hc.layout)
-        self._align = 1 if self._algo == Algo.LL else int(align)
-        self._exact = bool(exact)
-        self._num_tokens: Optional[int] = None
-        self._rows: Optional[int] = None  # rows of the last plan, when known on the host
-        self.plan_id = 0
-        p = ctypes.c_void_p()
-        _check(lib.epx_handle_create(comm._p(), ctypes.byref(hc), ctypes.byref(p)), "epx_handle_create")
+        # creation is local, but the comm numbers its handles, failed ones too, and every call
+        # carries the number: a refusal here is counted as libepx counts its own
+        with _Collective(None, lambda: _count_refused_handle(comm)) as op:
+            hc = _lib.HandleConfig()
+            lib.epx_handle_config_init(ctypes.byref(hc))
+            hc.algo = int(_parse_algo(algo))
+            hc.layout = int(_parse_layout(layout))
+            if not isinstance(align, (int, np.integer)) or align < 1:
+                _arg_error(f"align must be an int >= 1, got {align!r}")
+            hc.align = int(align)
+            hc.exact = 1 if exact else 0
+            if not isinstance(recv_budget, (int, np.integer)) or recv_budget < 0:
+                _arg_error(f"recv_budget must be an int >= 0, got {recv_budget!r}")
+            hc.recv_budget = int(recv_budget)
+            self.recv_budget = int(recv_budget)
+            self.comm = comm
+            self._algo = Algo(hc.algo)
+            self._layout = _LayoutKind.EXPERT if self._algo == Algo.LL else _LayoutKind(hc.layout)
+            self._align = 1 if self._algo == Algo.LL else int(align)
+            self._exact = bool(exact)
+            self._num_tokens: Optional[int] = None
+            self._rows: Optional[int] = None  # rows of the last plan, when known on the host
+            self.plan_id = 0
+            p = ctypes.c_void_p()
+            st = op.call(lambda: lib.epx_handle_create(comm._p(), ctypes.byref(hc), ctypes.byref(p)), None)
+            _check(st, "epx_handle_create")
         self._ptr = p
         with comm.world._lock:
             comm._handles.add(self)
@@ -492,6 +496,11 @@ class Handle(_Owned):
     def __repr__(self):
         return (f"<epx.Handle {self.algo} {self.layout} align={self._align} rank {self.comm.rank}"
                 f"{' planned T=' + str(self._num_tokens) if self.planned else ''}>")
+
+
+def _count_refused_handle(comm) -> int:
+    """epx_handle_create without a config: refused (EPX_ERR_NULL_POINTER), and counted."""
+    return _lib.load().epx_handle_create(comm._ptr, None, ctypes.byref(ctypes.c_void_p()))
 
 
 def _refused_routing() -> _lib.Routing:

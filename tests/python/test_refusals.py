@@ -234,3 +234,22 @@ def test_torch_refusal_takes_part_once(world4, where):
         else:
             assert err.status == epx.Status.INVALID_ARGUMENT and f"rank {bad_rank} failed" in err.message, (r, err)
     _check_layer([res[2:] for res in results], inputs, seed)
+
+
+def test_refused_handle_is_numbered_like_one_libepx_refuses(world4):
+    """Handles are numbered per comm, failed creations too, and calls carry the number: a
+    handle Python refuses (align 0) on one rank, while libepx refuses its peers' (a receive
+    budget in the token layout), leaves the next handle the same number on every rank."""
+    seed = 96
+    inputs = make_inputs(seed, R, E, H, K, TOKENS)
+    bad_rank = int(rng(seed).integers(R))
+
+    def rank(r):
+        with world4.comm(r, **CFG) as comm:
+            with pytest.raises(epx.InvalidArgumentError) as ei:
+                comm.handle("ht", "expert", align=0) if r == bad_rank else comm.handle("ht", "token", recv_budget=5)
+            assert ("align" if r == bad_rank else "recv_budget") in ei.value.message, ei.value
+            with comm.handle("ht", "expert") as h:
+                return _moe_layer(h, r, *(a[r] for a in inputs), Experts(seed, E, H))
+
+    _check_layer(world4.run(rank), inputs, seed)
