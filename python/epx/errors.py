@@ -95,15 +95,18 @@ TimeoutError_ = CommTimeoutError
 
 
 class ShapeError(InvalidArgumentError):
-    """An array of the wrong shape (found in Python, before any C call)."""
+    """An array of the wrong shape (found in Python; in a collective the rank still takes part,
+    so its peers fail at once with an InvalidArgumentError naming it: epx.collective)."""
 
 
 class DTypeError(InvalidArgumentError, TypeError):
-    """An array of the wrong dtype (found in Python, before any C call)."""
+    """An array of the wrong dtype (found in Python; a collective's peers learn it at once, as
+    for ShapeError)."""
 
 
 class DeviceError(InvalidArgumentError):
-    """An array on the wrong device for the comm's backend (found in Python)."""
+    """An array on the wrong device for the comm's backend (found in Python; a collective's
+    peers learn it at once, as for ShapeError)."""
 
 
 for _c in (ShapeError, DTypeError, DeviceError):

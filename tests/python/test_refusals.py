@@ -190,11 +190,12 @@ def test_refusing_rank_takes_part_across_processes():
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("where", ["handle", "epx.torch"])
+@pytest.mark.parametrize("where", ["handle", "epx.torch", "dispatcher"])
 def test_torch_refusal_takes_part_once(world4, where):
-    """A refusal in Handle.dispatch under epx.torch.dispatch, or in epx.torch.dispatch's own
-    checks, takes part once: the correct layer after it pairs with the peers' (a second
-    refused call would pair with their next dispatch instead)."""
+    """A refusal in Handle.dispatch under epx.torch.dispatch, in epx.torch.dispatch's own
+    checks, or in FlexTokenDispatcher.token_dispatch's, takes part once: the correct layer
+    after it pairs with the peers' (a second refused call would pair with their next dispatch
+    instead)."""
     torch = pytest.importorskip("torch")
     import epx.torch as et
 
@@ -205,10 +206,16 @@ def test_torch_refusal_takes_part_once(world4, where):
 
     def rank(r):
         x, idx, w = (torch.from_numpy(a[r]) for a in inputs)
-        with world4.comm(r, **CFG) as comm, comm.handle("ht", "expert") as h:
+        with world4.comm(r, **CFG) as comm:
+            d = et.FlexTokenDispatcher(comm)
+            h = d.handle
             err, t0 = None, time.monotonic()
             try:
-                if r != bad_rank:
+                if where == "dispatcher":
+                    if r != bad_rank:  # the refusing rank skips the local first step
+                        d.dispatch_preprocess(x, topk_idx=idx, topk_weights=w)
+                    d.token_dispatch(x, w)
+                elif r != bad_rank:
                     et.dispatch(h, x, idx, w)
                 elif where == "handle":
                     et.dispatch(h, x[:, :-1].contiguous(), idx, w)
@@ -223,6 +230,7 @@ def test_torch_refusal_takes_part_once(world4, where):
                 y[start:start + c] = experts(r * L + l, res.recv_x[start:start + c].detach().numpy())
                 start += c
             out = et.combine(h, torch.from_numpy(y), res.recv_probs)  # weighted by the routing's weights
+            d.close()
             return err, took, res.recv_x.detach().numpy(), out.detach().numpy()
 
     results = world4.run(rank)
