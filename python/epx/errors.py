@@ -40,6 +40,7 @@ class Error(Exception):
     CudaError                   CUDA                            RuntimeError
     BrokenCommError             BROKEN                          RuntimeError
     InternalError               INTERNAL                        RuntimeError
+    OutOfStepError              OUT_OF_STEP                     RuntimeError
     ==========================  ==============================  ==========================
     """
 
@@ -87,19 +88,25 @@ SystemCallError = _errcls("SystemCallError", Status.SYSTEM, RuntimeError)
 CudaError = _errcls("CudaError", Status.CUDA, RuntimeError)
 BrokenCommError = _errcls("BrokenCommError", Status.BROKEN, RuntimeError)
 InternalError = _errcls("InternalError", Status.INTERNAL, RuntimeError)
+OutOfStepError = _errcls("OutOfStepError", Status.OUT_OF_STEP, RuntimeError,
+                         doc="Status EPX_ERR_OUT_OF_STEP: the ranks were in different collective calls (another "
+                             "operation, call number or handle); the comm is broken afterwards.")
 TimeoutError_ = CommTimeoutError
 
 
 class ShapeError(InvalidArgumentError):
-    """An array of the wrong shape (found in Python, before any C call)."""
+    """An array of the wrong shape (found in Python; in a collective the rank still takes part,
+    so its peers fail at once with an InvalidArgumentError naming it: epx.collective)."""
 
 
 class DTypeError(InvalidArgumentError, TypeError):
-    """An array of the wrong dtype (found in Python, before any C call)."""
+    """An array of the wrong dtype (found in Python; a collective's peers learn it at once, as
+    for ShapeError)."""
 
 
 class DeviceError(InvalidArgumentError):
-    """An array on the wrong device for the comm's backend (found in Python)."""
+    """An array on the wrong device for the comm's backend (found in Python; a collective's
+    peers learn it at once, as for ShapeError)."""
 
 
 for _c in (ShapeError, DTypeError, DeviceError):
@@ -124,6 +131,7 @@ _ERRORS = {
     Status.CUDA: CudaError,
     Status.BROKEN: BrokenCommError,
     Status.INTERNAL: InternalError,
+    Status.OUT_OF_STEP: OutOfStepError,
 }
 
 
