@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from . import _lib
 from ._lib import DType, Status
 from .arrays import _frontend_of
+from .collective import _Collective
 from .config import Config
 from .errors import _arg_error, _check, _raise
 from .results import Layout
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
     from .handle import Handle
 
 
+def _refuse_init(world: World, rank: int) -> int:
+    """epx_comm_init with a config it refuses (struct_size 0), which still joins the exchange."""
+    p = ctypes.c_void_p()
+    return _lib.load().epx_comm_init(world._ptr, int(rank), ctypes.byref(_lib.Config()), ctypes.byref(p))
+
+
 class Comm(_Owned):
     """One rank's endpoint. Creating it is collective: every rank of the group creates its
     comm with the same config (compared across ranks: a difference raises
@@ -28,17 +35,22 @@ class Comm(_Owned):
 
     def __init__(self, world: World, rank: int, config: Optional[Config] = None, **kw):
         self._ptr = None
-        if config is None:
-            config = Config()
-        if kw:
-            bad = set(kw) - {f.name for f in dataclasses.fields(Config)}
-            if bad:
-                _arg_error(f"unknown config fields {sorted(bad)}")
-            config = dataclasses.replace(config, **kw)
         lib = _lib.load()
-        c = config._c()
         p = ctypes.c_void_p()
-        _check(lib.epx_comm_init(world._handle_ptr(), int(rank), ctypes.byref(c), ctypes.byref(p)), "epx_comm_init")
+        # a rank whose config Python refuses still joins the config exchange, so its peers
+        # fail at once naming it (epx.collective)
+        with _Collective(None, lambda: _refuse_init(world, rank)) as op:
+            if config is None:
+                config = Config()
+            if kw:
+                bad = set(kw) - {f.name for f in dataclasses.fields(Config)}
+                if bad:
+                    _arg_error(f"unknown config fields {sorted(bad)}")
+                config = dataclasses.replace(config, **kw)
+            c = config._c()
+            st = op.call(lambda: lib.epx_comm_init(world._handle_ptr(), int(rank), ctypes.byref(c), ctypes.byref(p)),
+                         None)
+            _check(st, "epx_comm_init")
         self._ptr = p
         self.world = world
         self._rank = lib.epx_comm_rank(p)

@@ -89,21 +89,28 @@ SystemCallError = _errcls("SystemCallError", Status.SYSTEM, RuntimeError)
 CudaError = _errcls("CudaError", Status.CUDA, RuntimeError)
 BrokenCommError = _errcls("BrokenCommError", Status.BROKEN, RuntimeError)
 InternalError = _errcls("InternalError", Status.INTERNAL, RuntimeError)
-OutOfStepError = _errcls("OutOfStepError", Status.OUT_OF_STEP, RuntimeError)
-BusyError = _errcls("BusyError", Status.BUSY, RuntimeError)
+OutOfStepError = _errcls("OutOfStepError", Status.OUT_OF_STEP, RuntimeError,
+                         doc="Status EPX_ERR_OUT_OF_STEP: the ranks were in different collective calls (another "
+                             "operation, call number or handle); the comm is broken afterwards.")
+BusyError = _errcls("BusyError", Status.BUSY, RuntimeError,
+                     doc="Status EPX_ERR_BUSY: another thread is inside a call on the comm, or a destroy found "
+                         "live comms or handles; the call did nothing.")
 TimeoutError_ = CommTimeoutError
 
 
 class ShapeError(InvalidArgumentError):
-    """An array of the wrong shape (found in Python, before any C call)."""
+    """An array of the wrong shape (found in Python; in a collective the rank still takes part,
+    so its peers fail at once with an InvalidArgumentError naming it: epx.collective)."""
 
 
 class DTypeError(InvalidArgumentError, TypeError):
-    """An array of the wrong dtype (found in Python, before any C call)."""
+    """An array of the wrong dtype (found in Python; a collective's peers learn it at once, as
+    for ShapeError)."""
 
 
 class DeviceError(InvalidArgumentError):
-    """An array on the wrong device for the comm's backend (found in Python)."""
+    """An array on the wrong device for the comm's backend (found in Python; a collective's
+    peers learn it at once, as for ShapeError)."""
 
 
 for _c in (ShapeError, DTypeError, DeviceError):

@@ -2,13 +2,16 @@
 
 Arrays are numpy arrays (CPU backend) or torch tensors (CPU tensors to the CPU backend, CUDA
 tensors to the CUDA backend; see :mod:`epx.torch`). Shapes and dtypes are checked here before
-anything reaches C, and every failure raises an :class:`Error` subclass.
+anything reaches C, and every failure raises an :class:`Error` subclass; a rank whose arguments
+fail those checks still takes part in the collective it refused (:mod:`epx.collective`), so its
+peers fail at once, naming it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -17,6 +20,7 @@ from . import _lib
 from ._lib import Algo, DType, Status
 from ._lib import Layout as _LayoutKind
 from .arrays import _device_check, _frontend_of, _input, _output
+from .collective import _Collective
 from .comm import Comm
 from .config import _parse_algo, _parse_layout
 from .dtypes import _parse_float_dtype
@@ -49,28 +53,32 @@ class Handle(_Owned):
                  recv_budget: int = 0):
         self._ptr = None
         lib = _lib.load()
-        hc = _lib.HandleConfig()
-        lib.epx_handle_config_init(ctypes.byref(hc))
-        hc.algo = int(_parse_algo(algo))
-        hc.layout = int(_parse_layout(layout))
-        if not isinstance(align, (int, np.integer)) or align < 1:
-            _arg_error(f"align must be an int >= 1, got {align!r}")
-        hc.align = int(align)
-        hc.exact = 1 if exact else 0
-        if not isinstance(recv_budget, (int, np.integer)) or recv_budget < 0:
-            _arg_error(f"recv_budget must be an int >= 0, got {recv_budget!r}")
-        hc.recv_budget = int(recv_budget)
-        self.recv_budget = int(recv_budget)
-        self.comm = comm
-        self._algo = Algo(hc.algo)
-        self._layout = _LayoutKind.EXPERT if self._algo == Algo.LL else _LayoutKind(hc.layout)
-        self._align = 1 if self._algo == Algo.LL else int(align)
-        self._exact = bool(exact)
-        self._num_tokens: Optional[int] = None
-        self._rows: Optional[int] = None  # rows of the last plan, when known on the host
-        self.plan_id = 0
-        p = ctypes.c_void_p()
-        _check(lib.epx_handle_create(comm._p(), ctypes.byref(hc), ctypes.byref(p)), "epx_handle_create")
+        # creation is local, but the comm numbers its handles, failed ones too, and every call
+        # carries the number: a refusal here is counted as libepx counts its own
+        with _Collective(None, lambda: _count_refused_handle(comm)) as op:
+            hc = _lib.HandleConfig()
+            lib.epx_handle_config_init(ctypes.byref(hc))
+            hc.algo = int(_parse_algo(algo))
+            hc.layout = int(_parse_layout(layout))
+            if not isinstance(align, (int, np.integer)) or align < 1:
+                _arg_error(f"align must be an int >= 1, got {align!r}")
+            hc.align = int(align)
+            hc.exact = 1 if exact else 0
+            if not isinstance(recv_budget, (int, np.integer)) or recv_budget < 0:
+                _arg_error(f"recv_budget must be an int >= 0, got {recv_budget!r}")
+            hc.recv_budget = int(recv_budget)
+            self.recv_budget = int(recv_budget)
+            self.comm = comm
+            self._algo = Algo(hc.algo)
+            self._layout = _LayoutKind.EXPERT if self._algo == Algo.LL else _LayoutKind(hc.layout)
+            self._align = 1 if self._algo == Algo.LL else int(align)
+            self._exact = bool(exact)
+            self._num_tokens: Optional[int] = None
+            self._rows: Optional[int] = None  # rows of the last plan, when known on the host
+            self.plan_id = 0
+            p = ctypes.c_void_p()
+            st = op.call(lambda: lib.epx_handle_create(comm._p(), ctypes.byref(hc), ctypes.byref(p)), None)
+            _check(st, "epx_handle_create")
         self._ptr = p
         with comm.world._lock:
             comm._handles.add(self)
@@ -122,16 +130,37 @@ class Handle(_Owned):
         Validates every expert id (:class:`ExpertOutOfRangeError` on every rank); low-latency
         mode refuses more than max_tokens_per_rank tokens (:class:`LowLatencyOverflowError`)."""
         fe = _frontend_of(topk_idx, routing_map)
-        r, keep, T = _routing(fe, self.comm, topk_idx, topk_weights, routing_map, probs)
-        self._num_tokens = None
-        self._rows = None
-        with fe.on_stream(self.comm, keep[0][1]):
-            st = _lib.load().epx_notify(self.comm._p(), self._p(), ctypes.byref(r))
-        _check(st, "epx_notify")
+        with _Collective(self.comm, self._refuse_notify, fe) as op:
+            r, keep, T = _routing(fe, self.comm, topk_idx, topk_weights, routing_map, probs)
+            self._num_tokens = None
+            self._rows = None
+            st = op.call(lambda: _lib.load().epx_notify(self.comm._p(), self._p(), ctypes.byref(r)), keep[0][1])
+            _check(st, "epx_notify")
         # CUDA low-latency handles plan inside the dispatch that follows: the routing (and
         # any converted copy of it) must live until then.
         self._routing_keep = keep
         self._planned(T)
+
+    # -- refusals: the C call the peers are in, with arguments it refuses (epx.collective) ----
+    # The arguments are refused by their own form (a negative token count, a struct never set
+    # up: struct_size 0), so the peers learn this rank's status, EPX_ERR_INVALID_ARGUMENT, the
+    # status of every Python check's error; NULL arguments would take part as well, as
+    # EPX_ERR_NULL_POINTER.
+    def _refuse_notify(self) -> int:
+        self._num_tokens = self._rows = None  # as on the peers, whose notify fails
+        return _lib.load().epx_notify(self.comm._ptr, self._ptr, ctypes.byref(_refused_routing()))
+
+    def _refuse_dispatch(self, plans: bool) -> int:
+        """``plans``: the peers' dispatch plans (it has a routing): the refusal drops this
+        rank's plan, as theirs fail."""
+        r = None
+        if plans:
+            self._num_tokens = self._rows = None
+            r = ctypes.byref(_refused_routing())
+        return _lib.load().epx_dispatch(self.comm._ptr, self._ptr, r, ctypes.byref(_lib.DispatchArgs()))
+
+    def _refuse_combine(self) -> int:
+        return _lib.load().epx_combine(self.comm._ptr, self._ptr, ctypes.byref(_lib.CombineArgs()))
 
     def info(self) -> HandleInfo:
         """Host-side sizes of the last plan (UnsupportedError in CUDA sync-free mode)."""
@@ -183,20 +212,22 @@ class Handle(_Owned):
         """
         fe = _frontend_of(x, topk_idx, routing_map)
         replay = topk_idx is None and routing_map is None
-        x, x_code, r_code, dev = self._dispatch_input(fe, x, replay, topk_weights, probs, recv_dtype, scale_by_probs)
-        routing, keep, T = None, None, self._num_tokens
-        if not replay:
-            routing, keep, T = _routing(fe, self.comm, topk_idx, topk_weights, routing_map, probs)
-        if fe.shape(x)[0] != T:
-            what = "the routing" if not replay else "the handle's last plan"
-            _shape_error(f"x has {fe.shape(x)[0]} rows but {what} has {T} tokens")
-        if recv_x is not None:
-            out = self._given_recv_x(fe, recv_x, r_code)
-        else:
-            routing, out = self._sized_recv_x(fe, dev, routing, T, r_code, like=x)
-        self._recv_scales(fe, out, recv_scales, r_code, dev)
-        self._side_outputs(fe, out, dev)
-        self._dispatch_call(fe, dev, routing, T, x, x_code, r_code, out, scale_by_probs)
+        with _Collective(self.comm, functools.partial(self._refuse_dispatch, not replay), fe) as op:
+            x, x_code, r_code, dev = self._dispatch_input(fe, x, replay, topk_weights, probs, recv_dtype,
+                                                          scale_by_probs)
+            routing, keep, T = None, None, self._num_tokens
+            if not replay:
+                routing, keep, T = _routing(fe, self.comm, topk_idx, topk_weights, routing_map, probs)
+            if fe.shape(x)[0] != T:
+                what = "the routing" if not replay else "the handle's last plan"
+                _shape_error(f"x has {fe.shape(x)[0]} rows but {what} has {T} tokens")
+            if recv_x is not None:
+                out = self._given_recv_x(fe, recv_x, r_code)
+            else:
+                routing, out = self._sized_recv_x(op, dev, routing, T, r_code, like=x)
+            self._recv_scales(fe, out, recv_scales, r_code, dev)
+            self._side_outputs(fe, out, dev)
+            self._dispatch_call(op, dev, routing, T, x, x_code, r_code, out, scale_by_probs)
         del keep
         return self._dispatch_result(fe, out, r_code)
 
@@ -242,12 +273,12 @@ class Handle(_Owned):
         cap = L * self.ll_rows if ll else fe.shape(recv_x)[0]
         return _DispatchOutputs(recv_x=recv_x, cap=cap, rows_known=None)
 
-    def _sized_recv_x(self, fe, dev, routing, T, r_code, like):
+    def _sized_recv_x(self, op, dev, routing, T, r_code, like):
         """Allocates the receive buffer. Exact sizes where the host can know them: plan first
         (the CPU backend always knows the counts; CUDA in exact mode waits for them), then size
         the outputs. CUDA sync-free: one call, outputs sized for the worst case of the config.
         Returns (the routing still to plan, or None when planned here; the outputs)."""
-        c = self.comm
+        c, fe = self.comm, op.fe
         H, L = c.hidden, c.num_local_experts
         rows_known = None
         if self._algo == Algo.LL:
@@ -256,10 +287,10 @@ class Handle(_Owned):
         else:
             if routing is not None and (self._exact or c.backend == "host"):
                 self._num_tokens = None
-                with fe.on_stream(c, dev):
-                    st = _lib.load().epx_notify(c._p(), self._p(), ctypes.byref(routing))
+                st = op.call(lambda: _lib.load().epx_notify(c._p(), self._p(), ctypes.byref(routing)), dev, last=False)
                 _check(st, "epx_notify")
                 self._planned(T)
+                op.refuse = functools.partial(self._refuse_dispatch, False)  # the peers go on to dispatch this plan
                 routing = None
             cap = self._host_rows() if routing is None else None
             if cap is None:
@@ -309,10 +340,10 @@ class Handle(_Owned):
         out.nrows = fe.alloc((1,), DType.INT64, device=dev, zero=True)
         out.dropped = fe.alloc((1,), DType.INT32, device=dev, zero=True)
 
-    def _dispatch_call(self, fe, dev, routing, T, x, x_code, r_code, out, scale_by_probs) -> None:
+    def _dispatch_call(self, op, dev, routing, T, x, x_code, r_code, out, scale_by_probs) -> None:
         """epx_dispatch itself (planning first when ``routing`` is given)."""
         lib = _lib.load()
-        c = self.comm
+        c, fe = self.comm, op.fe
         a = _lib.DispatchArgs()
         lib.epx_dispatch_args_init(ctypes.byref(a))
         a.x = fe.ptr(x)
@@ -331,9 +362,8 @@ class Handle(_Owned):
         if routing is not None:
             self._num_tokens = None
             self._rows = None
-        with fe.on_stream(c, dev):
-            st = lib.epx_dispatch(c._p(), self._p(), ctypes.byref(routing) if routing is not None else None,
-                                  ctypes.byref(a))
+        rp = ctypes.byref(routing) if routing is not None else None
+        st = op.call(lambda: lib.epx_dispatch(c._p(), self._p(), rp, ctypes.byref(a)), dev)
         if routing is not None and st in (Status.SUCCESS, Status.OUTPUT_TOO_SMALL):
             self._planned(T)  # (too small: the plan stands, only this output could not take it)
         _check(st, "epx_dispatch")
@@ -374,37 +404,38 @@ class Handle(_Owned):
         ``row_weight_grad`` (token layout ``[N, K]``, expert ``[rows]``): sends each value back to
         its topk slot; then the call returns ``(out, topk_weight_grad [T, K])``.
         """
-        if not self.planned:
-            _arg_error("the handle has no plan yet: dispatch before combine")
         fe = _frontend_of(y)
-        c = self.comm
-        T, H = self._num_tokens, c.hidden
-        y, y_code, dev, lead = self._combine_rows(fe, y)
+        with _Collective(self.comm, self._refuse_combine, fe) as op:
+            if not self.planned:
+                _arg_error("the handle has no plan yet: dispatch before combine")
+            y, y_code, dev, lead = self._combine_rows(fe, y)
+            out, o_code = self._combine_out(fe, y, y_code, dev, out, out_dtype)
+            rp, rwg, twg = self._row_extras(fe, dev, lead, row_probs, row_weight_grad)
+            a = _lib.CombineArgs()
+            _lib.load().epx_combine_args_init(ctypes.byref(a))
+            a.y = fe.ptr(y)
+            a.y_dtype = int(y_code)
+            a.out = fe.ptr(out)
+            a.out_dtype = int(o_code)
+            a.weighted = 1 if weighted else 0
+            a.row_probs = fe.ptr(rp) if rp is not None else None
+            a.row_weight_grad = fe.ptr(rwg) if rwg is not None else None
+            a.topk_weight_grad = fe.ptr(twg) if twg is not None else None
+            st = op.call(lambda: _lib.load().epx_combine(self.comm._p(), self._p(), ctypes.byref(a)), dev)
+            _check(st, "epx_combine")
+        return out if twg is None else (out, twg)
+
+    def _combine_out(self, fe, y, y_code, dev, out, out_dtype):
+        """The output combine writes ``[T, H]``, given (checked) or allocated: returns (out, its dtype)."""
+        T, H = self._num_tokens, self.comm.hidden
         o_code = y_code if out_dtype is None else _parse_float_dtype(out_dtype)
         if o_code not in (DType.FLOAT32, DType.BFLOAT16):
             _dtype_error("out_dtype must be float32 or bfloat16")
         if out is None:
-            out = fe.alloc((T, H), o_code, like=y, device=dev, zero=False)
-        else:
-            o_code = _output(fe, out, "out", (T, H), (DType.FLOAT32, DType.BFLOAT16))
-            _device_check(fe, c, out, "out")
-        rp, rwg, twg = self._row_extras(fe, dev, lead, row_probs, row_weight_grad)
-
-        lib = _lib.load()
-        a = _lib.CombineArgs()
-        lib.epx_combine_args_init(ctypes.byref(a))
-        a.y = fe.ptr(y)
-        a.y_dtype = int(y_code)
-        a.out = fe.ptr(out)
-        a.out_dtype = int(o_code)
-        a.weighted = 1 if weighted else 0
-        a.row_probs = fe.ptr(rp) if rp is not None else None
-        a.row_weight_grad = fe.ptr(rwg) if rwg is not None else None
-        a.topk_weight_grad = fe.ptr(twg) if twg is not None else None
-        with fe.on_stream(c, dev):
-            st = lib.epx_combine(c._p(), self._p(), ctypes.byref(a))
-        _check(st, "epx_combine")
-        return out if twg is None else (out, twg)
+            return fe.alloc((T, H), o_code, like=y, device=dev, zero=False), o_code
+        o_code = _output(fe, out, "out", (T, H), (DType.FLOAT32, DType.BFLOAT16))
+        _device_check(fe, self.comm, out, "out")
+        return out, o_code
 
     def _combine_rows(self, fe, y):
         """Checks the rows combine takes: returns (y, its dtype, its device, the leading
@@ -465,6 +496,18 @@ class Handle(_Owned):
     def __repr__(self):
         return (f"<epx.Handle {self.algo} {self.layout} align={self._align} rank {self.comm.rank}"
                 f"{' planned T=' + str(self._num_tokens) if self.planned else ''}>")
+
+
+def _count_refused_handle(comm) -> int:
+    """epx_handle_create without a config: refused (EPX_ERR_NULL_POINTER), and counted."""
+    return _lib.load().epx_handle_create(comm._ptr, None, ctypes.byref(ctypes.c_void_p()))
+
+
+def _refused_routing() -> _lib.Routing:
+    """A routing every call refuses (EPX_ERR_INVALID_ARGUMENT): -1 tokens."""
+    r = _lib.Routing()
+    r.num_tokens = -1
+    return r
 
 
 @dataclasses.dataclass

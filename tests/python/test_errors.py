@@ -30,14 +30,16 @@ def test_error_hierarchy():
         if st == epx.Status.SUCCESS:
             continue
         cls = epx.error_class(st)
-        assert issubclass(cls, epx.Error) and cls(st, "x").status == st
+        # every status has its own class, exported from epx, that raises it by default
+        assert cls is not epx.Error and cls.default_status == st and getattr(epx, cls.__name__) is cls, st
+        assert issubclass(cls, epx.Error) and cls(st, "x").status == st and cls().status == st
         assert epx.status_string(st).startswith(st.c_name)
     assert issubclass(epx.ExpertOutOfRangeError, ValueError)
     assert issubclass(epx.DTypeError, TypeError) and issubclass(epx.DTypeError, epx.InvalidArgumentError)
     assert issubclass(epx.UnsupportedError, NotImplementedError)
     assert issubclass(epx.OutOfMemoryError, MemoryError)
+    assert epx.error_class(epx.Status.OUT_OF_STEP) is epx.OutOfStepError and issubclass(epx.OutOfStepError, RuntimeError)
     assert epx.error_class(epx.Status.BUSY) is epx.BusyError and issubclass(epx.BusyError, RuntimeError)
-    assert epx.error_class(epx.Status.OUT_OF_STEP) is epx.OutOfStepError
 
 
 def test_bad_expert_id_fails_on_every_rank(world4):

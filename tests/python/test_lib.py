@@ -91,6 +91,10 @@ def test_names_and_sizes():
     assert lib.epx_dtype_name(_lib.DType.BFLOAT16) == b"bfloat16"
     assert [lib.epx_backend_name(b).decode() for b in _lib.Backend] == ["host", "cuda", "auto"]
     assert lib.epx_status_string(_lib.NUM_STATUS).startswith(b"EPX_ERR_UNKNOWN")
+    # the Status enum is the C enum: every value below NUM_STATUS, each named as C names it
+    assert [int(s) for s in _lib.Status] == list(range(_lib.NUM_STATUS))
+    for s in _lib.Status:
+        assert lib.epx_status_string(s).decode().startswith(s.c_name + ":"), s
     assert epx.backend_available("host") and epx.backend_unavailable_reason("host") is None
 
 

@@ -3,11 +3,13 @@ handle (see :mod:`epx.torch`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
+from ..collective import _Collective
 from ..errors import _arg_error
 from ..handle import Handle
 from ..results import DispatchResult
@@ -144,22 +146,25 @@ def dispatch(handle: Handle, x: torch.Tensor, topk_idx=None, topk_weights=None, 
     Returns a :class:`epx.DispatchResult` whose ``recv_x`` and ``recv_topk_weights`` /
     ``recv_probs`` carry gradients back to ``x`` and the weights. fp8 dispatch is
     forward-only."""
-    if routing_map is not None:
-        if topk_idx is not None or topk_weights is not None:
-            _arg_error("pass topk_idx (+ topk_weights) or routing_map (+ probs), not both")
-        topk_idx, topk_weights = map_to_topk(routing_map, probs, handle.comm.topk)
-    elif probs is not None:
-        _arg_error("probs goes with routing_map; with topk_idx pass topk_weights")
-    if topk_idx is None:
-        _arg_error("a routing is required (the autograd path always plans)")
-    fp8 = recv_dtype is not None and str(recv_dtype).lower().replace("torch.", "") in ("fp8", "e4m3", "fp8_e4m3",
-                                                                                       "float8_e4m3fn")
-    if fp8 and torch.is_grad_enabled() and (x.requires_grad or (topk_weights is not None and topk_weights.requires_grad)):
-        _arg_error("fp8 dispatch has no backward: run it under torch.no_grad() or with inputs that need no grad")
-    if topk_weights is not None and topk_weights.dtype != torch.float32:
-        topk_weights = topk_weights.float()
-    box: Dict[str, Any] = {}
-    recv_x, w, ridx, counts = DispatchFunction.apply(handle, x, topk_weights, topk_idx, recv_dtype, box)
+    # a rank refused here still takes part in the dispatch its peers make (epx.collective)
+    with _Collective(handle.comm, functools.partial(handle._refuse_dispatch, True)):
+        if routing_map is not None:
+            if topk_idx is not None or topk_weights is not None:
+                _arg_error("pass topk_idx (+ topk_weights) or routing_map (+ probs), not both")
+            topk_idx, topk_weights = map_to_topk(routing_map, probs, handle.comm.topk)
+        elif probs is not None:
+            _arg_error("probs goes with routing_map; with topk_idx pass topk_weights")
+        if topk_idx is None:
+            _arg_error("a routing is required (the autograd path always plans)")
+        fp8 = recv_dtype is not None and str(recv_dtype).lower().replace("torch.", "") in ("fp8", "e4m3", "fp8_e4m3",
+                                                                                           "float8_e4m3fn")
+        needs_grad = x.requires_grad or (topk_weights is not None and topk_weights.requires_grad)
+        if fp8 and torch.is_grad_enabled() and needs_grad:
+            _arg_error("fp8 dispatch has no backward: run it under torch.no_grad() or with inputs that need no grad")
+        if topk_weights is not None and topk_weights.dtype != torch.float32:
+            topk_weights = topk_weights.float()
+        box: Dict[str, Any] = {}
+        recv_x, w, ridx, counts = DispatchFunction.apply(handle, x, topk_weights, topk_idx, recv_dtype, box)
     inner = box["result"]
     res = DispatchResult(recv_x=recv_x, recv_scales=inner.recv_scales, tokens_per_local_expert=counts,
                          num_rows=inner.num_rows, layout=handle.layout, algo=handle.algo, align=handle.align)
@@ -176,10 +181,11 @@ def combine(handle: Handle, y: torch.Tensor, row_probs: Optional[torch.Tensor] =
     layout when ``row_probs`` is given or the handle is low-latency, else False (token layout
     rows are always summed unweighted). Pass ``row_probs`` (e.g. the ``recv_probs`` of
     :func:`dispatch`) to get gradients for the probabilities."""
-    if weighted is None:
-        weighted = handle.layout == "expert" and (row_probs is not None or handle.algo == "ll")
-    if row_probs is not None and not weighted:
-        _arg_error("row_probs given with weighted=False")
-    if row_probs is not None and row_probs.dtype != torch.float32:
-        row_probs = row_probs.float()
-    return CombineFunction.apply(handle, y, row_probs, weighted, out_dtype)
+    with _Collective(handle.comm, handle._refuse_combine):
+        if weighted is None:
+            weighted = handle.layout == "expert" and (row_probs is not None or handle.algo == "ll")
+        if row_probs is not None and not weighted:
+            _arg_error("row_probs given with weighted=False")
+        if row_probs is not None and row_probs.dtype != torch.float32:
+            row_probs = row_probs.float()
+        return CombineFunction.apply(handle, y, row_probs, weighted, out_dtype)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional
 
 import numpy as np
 import torch
 
+from ..collective import _Collective
 from ..comm import Comm
 from ..config import _parse_algo
 from ..errors import UnsupportedError, _arg_error, _shape_error
@@ -142,9 +144,11 @@ class FlexTokenDispatcher:
         """The exchange: returns ``(rows grouped by local expert, per-row probs)``. (Megatron's
         ``async_finish`` / ``allocate_on_comm_stream`` are accepted and ignored: epx's work is
         always ordered on the caller's current stream.)"""
-        if self._idx is None:
-            _arg_error("call dispatch_preprocess first")
-        res = dispatch(self.handle, hidden_states, self._idx, probs, recv_dtype=self.recv_dtype)
+        h = self.handle
+        with _Collective(self.comm, functools.partial(h._refuse_dispatch, True)):  # epx.collective
+            if self._idx is None:
+                _arg_error("call dispatch_preprocess first")
+            res = dispatch(h, hidden_states, self._idx, probs, recv_dtype=self.recv_dtype)
         self._counts = res.tokens_per_local_expert
         self._recv_probs = res.recv_probs
         self._result = res
