@@ -69,12 +69,13 @@ def _moe_layer(h, r, x, idx, w, experts):
     return res.recv_x, h.combine(y)
 
 
-def _rank(world_or_comm, r, op, kind, bad_rank, inputs, seed):
-    """One rank: the refused call (timed), then a correct layer on the same comm and handle.
-    Returns (what the call raised, or None; seconds it took; recv_x; out)."""
+def _rank(make_comm, r, op, kind, bad_rank, inputs, seed):
+    """One rank (``make_comm(r)`` opens its comm): the refused call (timed), then a correct
+    layer on the same comm and handle. Returns (what the call raised, or None; seconds it
+    took; recv_x; out)."""
     xs, idxs, ws = inputs
     ex, *_ = expected_expert_layout(xs, idxs, ws, R, L, r)
-    with world_or_comm(r) as comm, comm.handle("ht", "expert") as h:
+    with make_comm(r) as comm, comm.handle("ht", "expert") as h:
         prior = None
         if op in ("replay", "combine"):  # a plan to replay, rows to combine
             prior = h.dispatch(xs[r], topk_idx=idxs[r], topk_weights=ws[r])
@@ -91,7 +92,6 @@ def _rank(world_or_comm, r, op, kind, bad_rank, inputs, seed):
 
 def _check(results, op, kind, bad_rank, inputs, seed):
     """Every rank failed fast, each with its error; the layer afterwards matches the reference."""
-    xs, idxs, ws = inputs
     for r, (err, took, _, _) in enumerate(results):
         assert err is not None, f"rank {r} did not fail"
         assert took < TIMEOUT_MS / 1000 / 2, f"rank {r} took {took:.2f} s to fail ({err!r})"
