@@ -18,14 +18,16 @@ TIMEOUT_MS = 6000
 CFG = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=8, timeout_ms=TIMEOUT_MS)
 TOKENS = [5, 3, 6, 4]
 
-# the call under test, and the argument the refusing rank gets wrong in it
+# the call under test: the argument the refusing rank gets wrong in it, and the C call its
+# peers make first, which the refusal must be (a backend that compares operations on the
+# device, as CUDA does, would find any other one out of step)
 OPS = {
-    "dispatch": "x",  # with a routing: plans, then dispatches (two C calls on the host backend)
-    "dispatch_into": "x",  # into the caller's recv_x: plan and dispatch are one C call
-    "replay": "x",  # without a routing: the last plan again (combine's gradient)
-    "notify": "topk_idx",
-    "combine": "y",
-    "fp8_scales": "recv_scales",  # found wrong after this dispatch's plan was made on every rank
+    "dispatch": ("x", "epx_notify"),  # with a routing: plans in a notify, then dispatches
+    "dispatch_into": ("x", "epx_dispatch with a routing"),  # into the caller's recv_x: one C call
+    "replay": ("x", "epx_dispatch"),  # without a routing: the last plan again (combine's gradient)
+    "notify": ("topk_idx", "epx_notify"),
+    "combine": ("y", "epx_combine"),
+    "fp8_scales": ("recv_scales", "epx_dispatch"),  # found wrong once every rank has planned
 }
 
 
@@ -98,10 +100,10 @@ def _check(results, op, kind, bad_rank, inputs, seed):
         assert not isinstance(err, epx.CommTimeoutError), (r, err)
         if r == bad_rank:
             assert type(err) is (epx.ShapeError if kind == "shape" else epx.DTypeError), (r, err)
-            assert err.message.startswith(OPS[op] + " "), err.message  # the Python check's message
+            assert err.message.startswith(OPS[op][0] + " "), err.message  # the Python check's message
         else:
             assert err.status == epx.Status.INVALID_ARGUMENT, (r, err)
-            assert f"rank {bad_rank} failed" in err.message, (r, err.message)
+            assert f"rank {bad_rank} failed {OPS[op][1]} (call" in err.message, (r, err.message)
     _check_layer([res[2:] for res in results], inputs, seed)
 
 
@@ -240,7 +242,8 @@ def test_torch_refusal_takes_part_once(world4, where):
             want = epx.ShapeError if where == "handle" else epx.InvalidArgumentError
             assert type(err) is want and not err.message.startswith("epx_"), (r, err)
         else:
-            assert err.status == epx.Status.INVALID_ARGUMENT and f"rank {bad_rank} failed" in err.message, (r, err)
+            assert err.status == epx.Status.INVALID_ARGUMENT, (r, err)
+            assert f"rank {bad_rank} failed epx_notify (call" in err.message, (r, err)  # the peers' first call
     _check_layer([res[2:] for res in results], inputs, seed)
 
 
