@@ -112,8 +112,10 @@ const char *epxi_op_name(epxi_op_t op) {
 }
 
 /* "epx_combine (call 7, handle 2)" */
-static void describe_call(const epxi_stamp_t *s, char *buf, size_t n) {
-  if (s->handle)
+void epxi_stamp_describe(const epxi_stamp_t *s, char *buf, size_t n) {
+  if (!s->call)
+    snprintf(buf, n, "no collective call's opening exchange");
+  else if (s->handle)
     snprintf(buf, n, "%s (call %llu, handle %u)", epxi_op_name((epxi_op_t)s->op), (unsigned long long)s->call,
              (unsigned)s->handle);
   else
@@ -129,15 +131,15 @@ static void describe_value(const stamp_field_t *f, uint64_t v, char *buf, size_t
     snprintf(buf, n, "%llu", (unsigned long long)v);
 }
 
-static epx_status_t field_mismatch(const epxi_stamp_t *all, int r0, int r, int me) {
+epx_status_t epxi_stamp_mismatch(const epxi_stamp_t *s0, int r0, const epxi_stamp_t *sr, int r, int me) {
   char call0[96], callr[96], v0[32], vr[32];
-  describe_call(&all[r0], call0, sizeof call0);
-  describe_call(&all[r], callr, sizeof callr);
+  epxi_stamp_describe(s0, call0, sizeof call0);
+  epxi_stamp_describe(sr, callr, sizeof callr);
   for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
     const stamp_field_t *f = &fields[i];
-    if (get(&all[r0], f) == get(&all[r], f)) continue;
-    describe_value(f, get(&all[r0], f), v0, sizeof v0);
-    describe_value(f, get(&all[r], f), vr, sizeof vr);
+    if (get(s0, f) == get(sr, f)) continue;
+    describe_value(f, get(s0, f), v0, sizeof v0);
+    describe_value(f, get(sr, f), vr, sizeof vr);
     return epxi_fail(EPX_ERR_CONFIG_MISMATCH,
                      "rank %d: the ranks' calls differ in '%s': %s on rank %d in %s, %s on rank %d in %s", me, f->name,
                      v0, r0, call0, vr, r, callr);
@@ -151,19 +153,20 @@ epx_status_t epxi_stamp_compare(const epxi_stamp_t *all, int nranks, int me, con
     if (all[r].status == EPX_SUCCESS) continue;
     if (r == me) return (epx_status_t)all[r].status;
     char call[96];
-    describe_call(&all[r], call, sizeof call);
+    epxi_stamp_describe(&all[r], call, sizeof call);
     return epxi_fail((epx_status_t)all[r].status, "%s on rank %d: rank %d failed %s (%s)", phase, me, r, call,
                      epx_status_string((epx_status_t)all[r].status));
   }
   for (int r = 1; r < nranks; r++) {
     if (all[r].op == all[0].op && all[r].call == all[0].call && all[r].handle == all[0].handle) continue;
     char call0[96], callr[96];
-    describe_call(&all[0], call0, sizeof call0);
-    describe_call(&all[r], callr, sizeof callr);
+    epxi_stamp_describe(&all[0], call0, sizeof call0);
+    epxi_stamp_describe(&all[r], callr, sizeof callr);
     return epxi_fail(EPX_ERR_OUT_OF_STEP, "%s on rank %d: the ranks are out of step: rank 0 is in %s, rank %d in %s",
                      phase, me, call0, r, callr);
   }
   for (int r = 1; r < nranks; r++)
-    if (memcmp(all[r].digest, all[0].digest, sizeof all[0].digest) != 0) return field_mismatch(all, 0, r, me);
+    if (memcmp(all[r].digest, all[0].digest, sizeof all[0].digest) != 0)
+      return epxi_stamp_mismatch(&all[0], 0, &all[r], r, me);
   return EPX_SUCCESS;
 }

@@ -166,6 +166,11 @@ epx_status_t epxi_stamp_compare(const epxi_stamp_t *all, int nranks, int me, con
  * backend that compares the digest words on the device and reports the lowest differing bit
  * (__ffsll of the XOR). */
 const char *epxi_stamp_field(int word, int bit);
+/* "epx_combine (call 7, handle 2)": the call a stamp opens (call 0: none). */
+void epxi_stamp_describe(const epxi_stamp_t *s, char *buf, size_t n);
+/* EPX_ERR_CONFIG_MISMATCH naming the first field in which s0 (rank r0's) and sr (rank r's)
+ * differ, for rank `me`, as epxi_stamp_compare reports it. */
+epx_status_t epxi_stamp_mismatch(const epxi_stamp_t *s0, int r0, const epxi_stamp_t *sr, int r, int me);
 
 /* ---- checked sizes -------------------------------------------------------------------- */
 

@@ -168,7 +168,10 @@ epx_status_t cuda_fail(cudaError_t e, const char *what);
 
 #define LAUNCH_TRY(call, what) CUDA_TRY((cudaError_t)(call), what)
 
-static inline bool fatal_status(int s) { return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST; }
+/* as the kernels' fatal_status (common.cuh): after these a rank's kernels do nothing more */
+static inline bool fatal_status(int s) {
+  return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST || s == EPX_ERR_OUT_OF_STEP;
+}
 
 static inline cuda_comm_t *CC(const epx_comm_t *c) { return (cuda_comm_t *)c->impl; }
 static inline cuda_handle_t *ch_of(const epx_handle_t *h) { return (cuda_handle_t *)h->impl; }
@@ -229,6 +232,8 @@ void cuda_comm_destroy(epx_comm_t *c);
 /* ---- what the operations share (handle.c, op_framed.c) ----------------------------------- */
 
 epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h);
+/* The stamp of the call in progress (c->stamp), as the call's first exchange carries it. */
+epxc_stamp_t stamp_of(const epx_comm_t *c);
 epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st);
 epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st);
 void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p);

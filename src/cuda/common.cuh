@@ -42,27 +42,34 @@ static __device__ __forceinline__ uint64_t globaltimer_ns(void) {
 }
 
 /* Statuses after which a rank does nothing more (the others are recoverable: a refused
- * routing, an output too small). */
+ * routing, an output too small, settings that differ). Ranks out of step stop too: every later
+ * exchange would pair the wrong calls. */
 static __device__ __forceinline__ bool fatal_status(int s) {
-  return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST;
+  return s == EPX_ERR_TIMEOUT || s == EPX_ERR_BROKEN || s == EPX_ERR_PEER_LOST || s == EPX_ERR_OUT_OF_STEP;
 }
 
-/* Records this rank's failure where the host and every peer can see it: the first one, or a
- * fatal one over a recoverable one. */
-static __device__ void record_error(const epxc_group_t *g, int status, int phase, int peer, int64_t detail) {
+/* This rank's error word, when `status` may be recorded there: the first failure, or a fatal
+ * one over a recoverable one. NULL when an earlier record stands. */
+static __device__ epxc_error_t *claim_error(const epxc_group_t *g, int status) {
   epxc_error_t *e = &g->errors[g->rank];
   int old = *(volatile int32_t *)&e->status;
   while (old == 0 || (fatal_status(status) && !fatal_status(old))) {
     const int seen = atomicCAS(&e->status, old, status);
-    if (seen == old) {
-      e->phase = phase;
-      e->peer = peer;
-      e->detail = detail;
-      __threadfence_system();
-      return;
-    }
+    if (seen == old) return e;
     old = seen;
   }
+  return NULL;
+}
+
+/* Records this rank's failure where the host and every peer can see it (see claim_error). */
+static __device__ void record_error(const epxc_group_t *g, int status, int phase, int peer, int64_t detail) {
+  epxc_error_t *e = claim_error(g, status);
+  if (!e) return;
+  e->phase = phase;
+  e->peer = peer;
+  e->detail = detail;
+  for (int i = 0; i < 4; i++) e->about[i] = 0; /* no stamps: see record_stamp_error */
+  __threadfence_system();
 }
 
 /* Waits until *flag >= epoch. Gives up when the deadline passes or the peer stopped for good

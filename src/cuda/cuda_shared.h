@@ -20,8 +20,9 @@
 extern "C" {
 #endif
 
-#define EPXC_SLOT_WORDS 7 /* the last one is the phase tag: 6 words of payload */
-#define EPXC_PAYLOAD_WORDS (EPXC_SLOT_WORDS - 1)
+#define EPXC_PAYLOAD_WORDS 6 /* what an exchange publishes (epxc_words_t) */
+#define EPXC_STAMP_WORDS 4   /* the call's stamp (epxc_stamp_t) */
+#define EPXC_SLOT_WORDS (EPXC_PAYLOAD_WORDS + EPXC_STAMP_WORDS + 1) /* the last one is the phase tag */
 #define EPXC_PHASE_TAG 0x6570780000000000ull
 
 /* What an exchange publishes, by kind of exchange. The first word of every kind is the rank's
@@ -66,11 +67,21 @@ typedef union {
   epxc_combine_words_t combine;
 } epxc_words_t;
 
+/* The stamp of the collective call an exchange opens (core/call.c, epxi_stamp_t, copied word
+ * for word): word 0 the comm's call number; word 1 the handle id (bits 0-31) and the operation
+ * (bits 32-47), the status bits (48-63) left 0 (the payload's status word carries it); words
+ * 2, 3 the digest of the handle's settings and the call's arguments. All zero in the
+ * exchanges that open no call (closing exchanges). */
+typedef struct {
+  uint64_t word[EPXC_STAMP_WORDS];
+} epxc_stamp_t;
+
 /* One mailbox: `flag` is the exchange's epoch once the words are valid; the slot's last word
  * is the phase tag. */
 typedef struct {
   uint64_t flag;
   epxc_words_t words;
+  epxc_stamp_t stamp;
   uint64_t phase_tag;
 } epxc_slot_t;
 
@@ -93,9 +104,22 @@ typedef struct {
   int32_t status; /* epx_status_t */
   int32_t phase;  /* epxc_phase_t */
   int32_t peer;   /* the rank waited for, or the rank that reported the failure */
-  int32_t pad;
+  int16_t ref_phase, peer_phase; /* EPX_ERR_OUT_OF_STEP: the exchanges rank 0 and `peer` were in */
   int64_t detail; /* e.g. the offending token */
+  /* What an exchange found when the stamps differ (rank 0's against `peer`'s, the lowest rank
+   * whose stamp differs from rank 0's):
+   *   EPX_ERR_OUT_OF_STEP      rank 0's stamp words 0, 1, then the peer's words 0, 1
+   *   EPX_ERR_CONFIG_MISMATCH  the call's words 0, 1 (the same on both), then rank 0's and the
+   *                            peer's digest word `detail >> 8` (detail & 63: its lowest
+   *                            differing bit) */
+  uint64_t about[4];
 } epxc_error_t;
+/* Across processes the error words are the group's common page (src/transport/shm.c). */
+#ifdef __cplusplus
+static_assert(sizeof(epxc_error_t) * EPX_MAX_RANKS <= 4096, "every rank's error word fits one page");
+#else
+_Static_assert(sizeof(epxc_error_t) * EPX_MAX_RANKS <= 4096, "every rank's error word fits one page");
+#endif
 
 typedef enum {
   EPXC_PH_NOTIFY = 0,
@@ -275,16 +299,19 @@ int epxc_preload_ll(size_t *stack);
 /* Low-latency: one launch each. Dispatch plans (from `r`), stages this rank's tokens, meets the
  * peers in one exchange and pulls; combine reduces partials, meets, and sums. */
 int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
-                     const epxc_dispatch_t *a, void *stream);
+                     const epxc_dispatch_t *a, const epxc_stamp_t *stamp, void *stream);
 int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
-                    void *stream);
+                    const epxc_stamp_t *stamp, void *stream);
 
-/* Publishes `words` (NULL: none but a success status) to every peer's mailbox and waits for
- * every peer's; the payloads land in this rank's state->got. The status of every payload (read
- * from status_dev when that is given) is checked: the first failure is recorded in
- * group_status and as this rank's error. */
+/* Publishes `words` (NULL: none but a success status) and `stamp` (NULL: none, as a closing
+ * exchange) to every peer's mailbox and waits for every peer's; the payloads land in this
+ * rank's state->got. Phase tags and stamps are compared with rank 0's (a difference in the
+ * phase, call number, handle or operation: EPX_ERR_OUT_OF_STEP, this rank stops; in the
+ * digest: EPX_ERR_CONFIG_MISMATCH), then the status of every payload (read from status_dev
+ * when that is given): the first failure is recorded in group_status and as this rank's
+ * error. */
 int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, const int32_t *status_dev,
-                  void *stream);
+                  const epxc_stamp_t *stamp, void *stream);
 
 /* notify: normalise and validate the routing, build bitmaps and counts (bits and counts must
  * be zeroed by the caller); then prefix popcounts. */

@@ -1,16 +1,19 @@
 /* The exchange kernel: the only kernel of the high-throughput path that waits on peers. */
 #include "cuda/exchange.cuh"
 
-static __global__ void exchange_kernel(epxc_group_t g, int phase, epxc_words_t words, const int32_t *status_dev) {
+static __global__ void exchange_kernel(epxc_group_t g, int phase, epxc_words_t words, epxc_stamp_t stamp,
+                                       const int32_t *status_dev) {
   if (status_dev) words.status = (uint64_t)(uint32_t)*status_dev;
-  exchange_block(&g, phase, &words);
+  exchange_block(&g, phase, &words, stamp);
 }
 
 extern "C" int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, const int32_t *status_dev,
-                             void *stream) {
+                             const epxc_stamp_t *stamp, void *stream) {
   epxc_words_t w;
+  epxc_stamp_t sw;
   for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) w.word[i] = words ? words->word[i] : 0;
-  exchange_kernel<<<1, EPXC_EXCHANGE_THREADS, 0, (cudaStream_t)stream>>>(*g, phase, w, status_dev);
+  for (int i = 0; i < EPXC_STAMP_WORDS; i++) sw.word[i] = stamp ? stamp->word[i] : 0;
+  exchange_kernel<<<1, EPXC_EXCHANGE_THREADS, 0, (cudaStream_t)stream>>>(*g, phase, w, sw, status_dev);
   return (int)cudaGetLastError();
 }
 

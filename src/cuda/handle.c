@@ -101,6 +101,16 @@ static void cuda_handle_destroy(epx_handle_t *h) {
 }
 
 
+_Static_assert(sizeof(epxi_stamp_t) == sizeof(epxc_stamp_t), "a stamp crosses word for word");
+
+epxc_stamp_t stamp_of(const epx_comm_t *c) {
+  epxi_stamp_t s = c->stamp;
+  s.status = 0; /* the payload's status word carries it: the stamps of a failing rank and its peers still agree */
+  epxc_stamp_t w;
+  memcpy(&w, &s, sizeof w);
+  return w;
+}
+
 epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h) {
   epxc_shape_t s = CC(c)->shape;
   s.align = h->hc.align;

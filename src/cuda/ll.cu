@@ -205,7 +205,8 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
 static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
-    ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_route_t route, epxc_dispatch_t a) {
+    ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_route_t route, epxc_dispatch_t a,
+                       epxc_stamp_t stamp) {
   LL_TRACE_DECL;
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
@@ -251,7 +252,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
       w.ll_dispatch.stage = (uint64_t)(uintptr_t)ll->stage[p];
       w.ll_dispatch.stage_scales = (uint64_t)(uintptr_t)ll->stage_scales[p];
       w.ll_dispatch.stage_dtype = (uint64_t)stage_dtype;
-      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w);
+      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w, stamp);
       if (threadIdx.x == 0) {
         ll->dispatches = calls + 1;
         ll->dispatch_epoch = posted;
@@ -303,8 +304,8 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
-                                const epxc_dispatch_t *a, void *stream) {
-  ll_dispatch_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a);
+                                const epxc_dispatch_t *a, const epxc_stamp_t *stamp, void *stream) {
+  ll_dispatch_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
@@ -319,7 +320,7 @@ static __device__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *pla
 }
 
 static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
-    ll_combine_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_combine_t a) {
+    ll_combine_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_combine_t a, epxc_stamp_t stamp) {
   LL_TRACE_DECL;
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
@@ -360,7 +361,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
       w.combine.status = (uint64_t)(uint32_t)plan->group_status;
       w.combine.rows = (uint64_t)(uintptr_t)partials;
       w.combine.row_weight_grad = (uint64_t)(uintptr_t)wgrad;
-      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w);
+      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w, stamp);
       if (threadIdx.x == 0) {
         ll->combines = calls + 1;
         ll->combine_epoch = posted;
@@ -398,8 +399,8 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
 }
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
-                               void *stream) {
-  ll_combine_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a);
+                               const epxc_stamp_t *stamp, void *stream) {
+  ll_combine_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a, *stamp);
   return (int)cudaGetLastError();
 }
 

@@ -50,7 +50,8 @@ static epx_status_t a2a_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispa
   words.a2a_dispatch.send_token = (uint64_t)(uintptr_t)b->send_token;
   words.a2a_dispatch.send_weight = (uint64_t)(uintptr_t)b->send_weight;
   LAUNCH_TRY(epxc_a2a_permute(s, &cc->group, ch->dev, b, d, st), "all-to-all permute");
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, st), "dispatch exchange");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, &stamp, st), "dispatch exchange");
   LAUNCH_TRY(epxc_a2a_gather(s, &cc->group, ch->dev, b, d, st), "all-to-all gather");
   return framed_dispatch_close(c, ch, a, st);
 }

@@ -2,6 +2,7 @@
  * rank's plan, meets the peers in one exchange (plan pointers and statuses), derives the
  * receive side and closes; dispatch and combine each open with an exchange of what peers pull
  * and close with one that tells the peers this rank has finished reading theirs. */
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda/backend.h"
@@ -42,6 +43,16 @@ static epx_status_t wait_counts(epx_comm_t *c, cuda_handle_t *ch, const epx_rout
   /* Every rank decides from the statuses the exchange agreed on; a recoverable record left
    * from an earlier call must not make this one fail on one rank only. */
   EPX_CHECK(report(c, false));
+  /* the ranks' calls differ: the record names the field and the ranks (unless an earlier,
+   * unreported record of this rank stands in its place) */
+  if (sum->group_status == EPX_ERR_CONFIG_MISMATCH) {
+    const epx_status_t s = report(c, true);
+    if (s == EPX_ERR_CONFIG_MISMATCH) return s;
+    char earlier[512];
+    snprintf(earlier, sizeof earlier, "%s", epx_last_error());
+    return epxi_fail(EPX_ERR_CONFIG_MISMATCH, "rank %d: notify: the ranks' calls differ in their settings or "
+                     "arguments (this rank's record held an earlier failure: %s)", c->rank, earlier);
+  }
   if (sum->group_status) {
     volatile epxc_error_t *e = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
     const int who = e->peer;
@@ -79,16 +90,17 @@ epx_status_t framed_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *
   epxc_words_t words = {{0}};
   words.notify.plan = (uint64_t)(uintptr_t)ch->dev;
   words.notify.num_tokens = (uint64_t)r->num_tokens;
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY, &words, &ch->dev->status, st), "notify exchange");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY, &words, &ch->dev->status, &stamp, st), "notify exchange");
   LAUNCH_TRY(epxc_notify_finish(&s, &cc->group, ch->dev, st), "notify finish");
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY_DONE, NULL, NULL, st), "notify closing exchange");
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY_DONE, NULL, NULL, NULL, st), "notify closing exchange");
   if (!h->hc.exact) return EPX_SUCCESS;
   return wait_counts(c, ch, r, st);
 }
 
 /* The closing exchange of a dispatch; in exact mode the host already knows whether the rows fit. */
 epx_status_t framed_dispatch_close(epx_comm_t *c, cuda_handle_t *ch, const epx_dispatch_args_t *a, cudaStream_t st) {
-  LAUNCH_TRY(epxc_exchange(&CC(c)->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, st), "dispatch closing exchange");
+  LAUNCH_TRY(epxc_exchange(&CC(c)->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, NULL, st), "dispatch closing exchange");
   if (ch->known && a->recv_capacity < ch->summary->num_rows)
     return epxi_fail(EPX_ERR_OUTPUT_TOO_SMALL, "dispatch on rank %d: %lld rows arrive but recv_capacity is %lld",
                      c->rank, (long long)ch->summary->num_rows, (long long)a->recv_capacity);
@@ -147,7 +159,8 @@ epx_status_t framed_combine_open(epx_comm_t *c, epx_handle_t *h, const epx_combi
   words.combine.rows = (uint64_t)(uintptr_t)rows;
   words.combine.row_weight_grad = (uint64_t)(uintptr_t)wgrad;
   /* a rank whose dispatch wrote nothing makes every rank skip this combine */
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, &words, &ch->dev->refused, st), "combine exchange");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE, &words, &ch->dev->refused, &stamp, st), "combine exchange");
   *kp = k;
   return EPX_SUCCESS;
 }
@@ -157,7 +170,7 @@ epx_status_t framed_combine_close(epx_comm_t *c, cuda_handle_t *ch, const epxc_s
                                   cudaStream_t st) {
   cuda_comm_t *cc = CC(c);
   LAUNCH_TRY(epxc_combine_reduce(s, &cc->group, ch->dev, k, st), "combine kernel");
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE_DONE, NULL, NULL, st), "combine closing exchange");
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_COMBINE_DONE, NULL, NULL, NULL, st), "combine closing exchange");
   return EPX_SUCCESS;
 }
 
@@ -172,11 +185,12 @@ epx_status_t framed_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_stat
                                   [EPXI_OP_COMBINE] = {EPXC_PH_COMBINE, EPXC_PH_COMBINE_DONE}};
   epxc_words_t words = {{0}};
   words.status = (uint64_t)(uint32_t)status;
-  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], &words, NULL, st), "exchange");
-  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, st), "exchange");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], &words, NULL, &stamp, st), "exchange");
+  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, NULL, st), "exchange");
   if (op == EPXI_OP_NOTIFY_DISPATCH && !h->hc.exact) {
-    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, st), "exchange");
-    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, st), "exchange");
+    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, &stamp, st), "exchange");
+    LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, NULL, st), "exchange");
   }
   forget_own_report(c, status, st);
   return status;

@@ -18,7 +18,8 @@ static epx_status_t ht_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispat
   }
   epxc_words_t words = {{0}};
   words.ht_dispatch.x = (uint64_t)(uintptr_t)x;
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, st), "dispatch exchange");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, &stamp, st), "dispatch exchange");
   LAUNCH_TRY(epxc_dispatch(s, &cc->group, ch->dev, d, st), "dispatch kernel");
   return framed_dispatch_close(c, ch, a, st);
 }

@@ -57,7 +57,8 @@ static epx_status_t ll_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispat
   ch->ll_route_pending = false;
   ch->ll_dispatched = true;
   ch->ll_send_dispatch = *d;
-  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, ch->ll_dev, &route, d, st), "low-latency dispatch");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, ch->ll_dev, &route, d, &stamp, st), "low-latency dispatch");
   return EPX_SUCCESS;
 }
 
@@ -67,7 +68,8 @@ static epx_status_t ll_dispatch_complete(epx_comm_t *c, epx_handle_t *h, const e
   epxc_dispatch_t d = ch->ll_send_dispatch;
   d.part = EPX_PART_COMPLETE;
   epxc_route_t none = {.num_tokens = ch->num_tokens, .replay = 1};
-  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, ch->ll_dev, &none, &d, st), "low-latency dispatch");
+  const epxc_stamp_t unposted = {{0}}; /* a COMPLETE waits on what its SEND posted */
+  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, ch->ll_dev, &none, &d, &unposted, st), "low-latency dispatch");
   return EPX_SUCCESS;
 }
 
@@ -80,7 +82,8 @@ static epx_status_t ll_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine
                       epxi_fail(EPX_ERR_INVALID_ARGUMENT, "low-latency combine on rank %d: no dispatch on this "
                                 "handle to invert", c->rank));
   ch->ll_send_combine = *k;
-  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, ch->ll_dev, k, st), "low-latency combine");
+  const epxc_stamp_t stamp = stamp_of(c);
+  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, ch->ll_dev, k, &stamp, st), "low-latency combine");
   return EPX_SUCCESS;
 }
 
@@ -88,7 +91,8 @@ static epx_status_t ll_combine_complete(epx_comm_t *c, epx_handle_t *h, const ep
   cuda_handle_t *ch = h->impl;
   epxc_combine_t k = ch->ll_send_combine;
   k.part = EPX_PART_COMPLETE;
-  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, ch->ll_dev, &k, st), "low-latency combine");
+  const epxc_stamp_t unposted = {{0}}; /* a COMPLETE waits on what its SEND posted */
+  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, ch->ll_dev, &k, &unposted, st), "low-latency combine");
   return EPX_SUCCESS;
 }
 
@@ -96,9 +100,10 @@ static epx_status_t ll_combine_complete(epx_comm_t *c, epx_handle_t *h, const ep
 static epx_status_t ll_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st) {
   epxc_words_t words = {{0}};
   words.status = (uint64_t)(uint32_t)status;
+  const epxc_stamp_t stamp = stamp_of(c);
   if (op != EPXI_OP_NOTIFY)
     LAUNCH_TRY(epxc_exchange(&CC(c)->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, &words,
-                             NULL, st),
+                             NULL, &stamp, st),
                "exchange");
   if (op == EPXI_OP_DISPATCH || op == EPXI_OP_NOTIFY_DISPATCH) ch_of(h)->ll_dispatched = false;
   forget_own_report(c, status, st);

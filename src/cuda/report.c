@@ -1,6 +1,7 @@
 /* Waiting and reporting: a rank's stream waited for (across processes while watching for lost
  * peers), and the error words the kernels record turned into a status and a message. */
 #include <stdatomic.h>
+#include <string.h>
 #include <time.h>
 
 #include "cuda/backend.h"
@@ -60,6 +61,40 @@ cudaError_t wait_stream(const epx_comm_t *c, cudaStream_t st) {
 
 /* ---- reports ---------------------------------------------------------------------------- */
 
+static const char *phase_name(int phase) { return phase >= 0 && phase < EPXC_PH_COUNT ? phase_names[phase] : "?"; }
+
+/* Two stamp words (call; handle, operation) as the exchange carried them. */
+static epxi_stamp_t stamp_from(uint64_t call, uint64_t word1) {
+  epxi_stamp_t s;
+  memset(&s, 0, sizeof s);
+  s.call = call;
+  memcpy((char *)&s + sizeof s.call, &word1, sizeof word1);
+  s.status = 0;
+  return s;
+}
+
+/* What an exchange's comparison of the stamps recorded (epxc_error_t.about): which ranks,
+ * which calls, which field. */
+static epx_status_t report_stamps(const epx_comm_t *c, const volatile epxc_error_t *e, const char *ph) {
+  const int peer = e->peer;
+  const uint64_t about[4] = {e->about[0], e->about[1], e->about[2], e->about[3]};
+  if (e->status == EPX_ERR_CONFIG_MISMATCH) {
+    const int word = (int)((e->detail >> 8) & 1);
+    epxi_stamp_t s0 = stamp_from(about[0], about[1]), sp = s0;
+    s0.digest[word] = about[2];
+    sp.digest[word] = about[3];
+    return epxi_stamp_mismatch(&s0, 0, &sp, peer, c->rank);
+  }
+  const epxi_stamp_t s0 = stamp_from(about[0], about[1]), sp = stamp_from(about[2], about[3]);
+  char call0[96], callp[96];
+  epxi_stamp_describe(&s0, call0, sizeof call0);
+  epxi_stamp_describe(&sp, callp, sizeof callp);
+  return epxi_fail(EPX_ERR_OUT_OF_STEP,
+                   "rank %d: %s: the ranks are out of step: rank 0 is in %s at its %s exchange, rank %d in %s at its "
+                   "%s exchange; the comm is broken: destroy and re-create it",
+                   c->rank, ph, call0, phase_name(e->ref_phase), peer, callp, phase_name(e->peer_phase));
+}
+
 /* Turns this rank's error word into a status and message. Fatal ones only, unless `all`. */
 epx_status_t report(epx_comm_t *c, bool all) {
   cuda_world_t *cw = c->world->impl;
@@ -70,7 +105,7 @@ epx_status_t report(epx_comm_t *c, bool all) {
   if (!fatal && !all) return EPX_SUCCESS;
   const int phase = e->phase, peer = e->peer;
   const long long detail = (long long)e->detail;
-  const char *ph = phase >= 0 && phase < EPXC_PH_COUNT ? phase_names[phase] : "?";
+  const char *ph = phase_name(phase);
   /* The rank a fatal failure started at: the one waited for, or, when this rank stopped
    * because a peer failed first, whatever that peer stopped on, and so on. */
   int root = peer;
@@ -84,6 +119,8 @@ epx_status_t report(epx_comm_t *c, bool all) {
   if (fatal && cw->shared && root != c->rank && epxi_group_peer_lost(c->world->group, root))
     s = epxi_fail(EPX_ERR_PEER_LOST, "rank %d: %s stopped: rank %d's process is gone (it died or left the group)",
                   c->rank, ph, root);
+  else if (status == EPX_ERR_OUT_OF_STEP || (status == EPX_ERR_CONFIG_MISMATCH && e->about[0]))
+    s = report_stamps(c, e, ph); /* about[0] = 0: a peer posted the status, it has no stamps */
   else if (status == EPX_ERR_TIMEOUT)
     s = epxi_fail(EPX_ERR_TIMEOUT, "rank %d: %s timed out after %lld ms waiting for rank %d", c->rank, ph, detail, peer);
   else if (status == EPX_ERR_BROKEN && root != peer && root >= 0 && root < c->nranks)

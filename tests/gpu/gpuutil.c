@@ -72,13 +72,9 @@ static int64_t rows_needed(const gu_case_t *c, const tu_moe_t *m, int d) {
 
 /* ---- memory on either side ---------------------------------------------------------------- */
 
-typedef struct {
-  int cuda;
-} mem_t;
-
-static void *mem_alloc(const mem_t *m, size_t bytes) {
+void *gu_alloc(int cuda, size_t bytes) {
   bytes = bytes ? bytes : 16;
-  if (!m->cuda) return tu_alloc_poison(bytes);
+  if (!cuda) return tu_alloc_poison(bytes);
   void *p = NULL;
   if (cudaMalloc(&p, bytes) != cudaSuccess || cudaMemset(p, TU_POISON, bytes) != cudaSuccess) {
     fprintf(stderr, "cudaMalloc of %zu bytes failed\n", bytes);
@@ -87,21 +83,43 @@ static void *mem_alloc(const mem_t *m, size_t bytes) {
   return p;
 }
 
-static void *mem_upload(const mem_t *m, const void *src, size_t bytes) {
-  void *p = mem_alloc(m, bytes);
+void *gu_upload(int cuda, const void *src, size_t bytes) {
+  void *p = gu_alloc(cuda, bytes);
   if (!src || !bytes) return p;
-  if (m->cuda)
+  if (cuda)
     cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice);
   else
     memcpy(p, src, bytes);
   return p;
 }
 
+void *gu_host_copy(int cuda, const void *p, size_t bytes) {
+  void *h = malloc(bytes ? bytes : 16);
+  if (cuda)
+    cudaMemcpy(h, p, bytes, cudaMemcpyDeviceToHost);
+  else
+    memcpy(h, p, bytes);
+  return h;
+}
+
+void gu_free(int cuda, void *p) {
+  if (cuda)
+    cudaFree(p);
+  else
+    free(p);
+}
+
+typedef struct {
+  int cuda;
+} mem_t;
+
+static void *mem_alloc(const mem_t *m, size_t bytes) { return gu_alloc(m->cuda, bytes); }
+static void *mem_upload(const mem_t *m, const void *src, size_t bytes) { return gu_upload(m->cuda, src, bytes); }
+
 /* Replaces *p (backend memory) by a host copy. */
 static void mem_download(const mem_t *m, void **p, size_t bytes) {
   if (!m->cuda || !*p) return;
-  void *h = malloc(bytes ? bytes : 16);
-  cudaMemcpy(h, *p, bytes, cudaMemcpyDeviceToHost);
+  void *h = gu_host_copy(1, *p, bytes);
   cudaFree(*p);
   *p = h;
 }

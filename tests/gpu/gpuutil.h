@@ -72,6 +72,13 @@ typedef struct {
   float *g[TU_MAX_RANKS];      /* [cap(, K)] row weight gradients */
 } gu_inputs_t;
 
+/* Memory of either backend (cuda: device memory, else host memory), filled with TU_POISON;
+ * gu_upload fills it from host memory; gu_host_copy returns a malloc'd copy of it. */
+void *gu_alloc(int cuda, size_t bytes);
+void *gu_upload(int cuda, const void *src, size_t bytes);
+void *gu_host_copy(int cuda, const void *p, size_t bytes);
+void gu_free(int cuda, void *p);
+
 /* 1 when a CUDA device is usable; prints why not otherwise. */
 int gu_have_gpu(void);
 void gu_inputs_make(gu_inputs_t *in, const gu_case_t *c);

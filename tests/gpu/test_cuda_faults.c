@@ -1,6 +1,7 @@
 /* What goes wrong on the CUDA backend comes back as a status, never as a hang or a write out
  * of bounds: a rank that never arrives, an output too small in sync-free mode, a bad expert
- * id, too many tokens in low-latency mode, an SM budget the GPU cannot hold. */
+ * id, too many tokens in low-latency mode, ranks whose calls do not pair (settings that
+ * differ, different operations), an SM budget the GPU cannot hold. */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -106,6 +107,224 @@ static fault_t fresh(int R) {
   return f;
 }
 
+/* ---- calls that do not pair: what the first exchange's stamps catch --------------------------- */
+
+/* What differs between the ranks' calls: the handle's align or layout in one dispatch, whether
+ * a combine is given row weight gradients, or the operation itself. */
+typedef enum { DIFF_ALIGN, DIFF_LAYOUT, DIFF_WGRAD, DIFF_OP } diff_t;
+enum { PR = 4, PT = 48 };
+
+typedef struct {
+  void *x, *idx, *w;
+  void *recv_bad, *out_bad, *tgrad_bad, *rgrad; /* what the call that does not pair may not touch */
+  int32_t *cnt_bad;
+  void *recv, *out;   /* the good dispatch and combine after it */
+  int64_t *nrows;
+  epx_status_t bad, good, after; /* the call that does not pair; the good ones; the call after */
+  char msg[512];
+} pair_rank_t;
+
+typedef struct {
+  diff_t diff;
+  int cuda, exact;
+  epx_algo_t algo;
+  epx_layout_t layout;
+  const tu_moe_t *m;
+  epx_world_t *world;
+  int64_t cap; /* receive rows per rank: an upper bound */
+  pair_rank_t rk[PR];
+} pairing_t;
+
+static epx_status_t finished(epx_comm_t *comm, epx_status_t s, pair_rank_t *b) {
+  if (s == EPX_SUCCESS) s = epx_comm_synchronize(comm);
+  if (s != EPX_SUCCESS && !b->msg[0]) snprintf(b->msg, sizeof b->msg, "%s", epx_last_error());
+  return s;
+}
+
+static void pair_args(const pairing_t *p, pair_rank_t *b, epx_dispatch_args_t *d, epx_combine_args_t *k) {
+  epx_dispatch_args_init(d);
+  d->x = b->x, d->recv_x = b->recv, d->recv_capacity = p->cap, d->num_recv_rows = b->nrows;
+  epx_combine_args_init(k);
+  k->y = b->recv, k->out = b->out, k->weighted = p->algo == EPX_ALGO_LL || p->layout == EPX_LAYOUT_EXPERT;
+}
+
+/* The call that does not pair, on a comm whose handle `good` has a plan (DIFF_WGRAD, DIFF_OP)
+ * or on the handle `bad`, whose settings differ between the ranks. */
+static epx_status_t unpaired_call(pairing_t *p, int r, epx_comm_t *comm, epx_handle_t *bad, epx_handle_t *good,
+                                  const epx_routing_t *rt) {
+  pair_rank_t *b = &p->rk[r];
+  epx_dispatch_args_t d;
+  epx_combine_args_t k;
+  pair_args(p, b, &d, &k);
+  d.recv_x = b->recv_bad, d.tokens_per_local_expert = b->cnt_bad, d.num_recv_rows = NULL;
+  k.out = b->out_bad;
+  if (p->diff == DIFF_ALIGN || p->diff == DIFF_LAYOUT) return epx_dispatch(comm, bad, rt, &d);
+  if (p->diff == DIFF_WGRAD && r == 1) k.row_weight_grad = b->rgrad, k.topk_weight_grad = b->tgrad_bad;
+  if (p->diff == DIFF_WGRAD || r == 0) return epx_combine(comm, good, &k);
+  return epx_dispatch(comm, good, NULL, &d); /* DIFF_OP: rank 0 combines, the others dispatch */
+}
+
+/* Rank r's calls on its comm: the good ones and the one that does not pair. */
+static void pair_calls(pairing_t *p, int r, epx_comm_t *comm) {
+  pair_rank_t *b = &p->rk[r];
+  epx_handle_t *bad = NULL, *good = NULL;
+  const int align = p->layout == EPX_LAYOUT_EXPERT && p->algo != EPX_ALGO_LL ? 16 : 1;
+  epx_handle_config_t hc = tu_handle_config(p->algo, p->layout, align), hb = hc;
+  hc.exact = hb.exact = p->exact;
+  if (p->diff == DIFF_ALIGN) hb.align = r == PR - 1 ? 1 : 16;
+  if (p->diff == DIFF_LAYOUT) hb.layout = r & 1 ? EPX_LAYOUT_EXPERT : EPX_LAYOUT_TOKEN;
+  epx_handle_create(comm, &hb, &bad);
+  epx_handle_create(comm, &hc, &good);
+  const epx_routing_t rt = {.num_tokens = PT, .idx_dtype = EPX_INT32, .topk_idx = b->idx, .topk_weights = b->w};
+  epx_dispatch_args_t d;
+  epx_combine_args_t k;
+  pair_args(p, b, &d, &k);
+  /* ALIGN, LAYOUT: the unpaired dispatch first, then the good pair on the same comm; WGRAD:
+   * a good dispatch, the unpaired combine, a good combine; OP: a good dispatch, then the
+   * unpaired call, then any call is refused */
+  const int first = p->diff == DIFF_ALIGN || p->diff == DIFF_LAYOUT;
+  if (first) b->bad = finished(comm, unpaired_call(p, r, comm, bad, good, &rt), b);
+  b->good = finished(comm, epx_dispatch(comm, good, &rt, &d), b);
+  if (!first) b->bad = finished(comm, unpaired_call(p, r, comm, bad, good, &rt), b);
+  if (p->diff == DIFF_OP)
+    b->after = epx_dispatch(comm, good, NULL, &d);
+  else if (b->good == EPX_SUCCESS)
+    b->good = finished(comm, epx_combine(comm, good, &k), b);
+  tu_barrier_wait(); /* nobody frees state a peer may still post to */
+  epx_handle_destroy(bad);
+  epx_handle_destroy(good);
+}
+
+static epx_status_t pair_rank(int r, void *arg) {
+  pairing_t *p = arg;
+  pair_rank_t *b = &p->rk[r];
+  epx_comm_t *comm = NULL;
+  epx_config_t cfg = tu_config(E, H, K, p->algo == EPX_ALGO_LL ? PT : 0);
+  cfg.timeout_ms = 5000;
+  b->bad = b->good = b->after = epx_comm_init(p->world, r, &cfg, &comm);
+  if (b->bad == EPX_SUCCESS)
+    pair_calls(p, r, comm);
+  else
+    snprintf(b->msg, sizeof b->msg, "comm init: %s", epx_last_error());
+  epx_comm_destroy(comm);
+  return EPX_SUCCESS;
+}
+
+static const char *const diff_names[] = {"align", "layout", "row_weight_grad", "operation"};
+
+/* Every rank's buffers, in the backend's memory. */
+static void pair_alloc(pairing_t *p) {
+  const size_t row = sizeof(uint16_t) * H, x_bytes = row * PT;
+  for (int r = 0; r < PR; r++) {
+    pair_rank_t *b = &p->rk[r];
+    memset(b, 0, sizeof *b);
+    b->x = gu_upload(p->cuda, p->m->x[r], x_bytes);
+    b->idx = gu_upload(p->cuda, p->m->idx[r], sizeof(int32_t) * PT * K);
+    b->w = gu_upload(p->cuda, p->m->w[r], sizeof(float) * PT * K);
+    b->recv_bad = gu_alloc(p->cuda, row * p->cap);
+    b->recv = gu_alloc(p->cuda, row * p->cap);
+    b->out_bad = gu_alloc(p->cuda, x_bytes);
+    b->out = gu_alloc(p->cuda, x_bytes);
+    b->rgrad = gu_upload(p->cuda, NULL, sizeof(float) * p->cap * K);
+    b->tgrad_bad = gu_alloc(p->cuda, sizeof(float) * PT * K);
+    b->cnt_bad = gu_alloc(p->cuda, sizeof(int32_t) * E);
+    b->nrows = gu_alloc(p->cuda, sizeof(int64_t));
+  }
+}
+
+/* The rows each rank received, its output, its row count (host copies), and checks that the
+ * unpaired call wrote nothing; every buffer freed. */
+typedef struct {
+  void *recv[PR], *out[PR];
+  int64_t nrows[PR];
+} pair_out_t;
+
+static void pair_collect(pairing_t *p, pair_out_t *o) {
+  const size_t row = sizeof(uint16_t) * H;
+  for (int r = 0; r < PR; r++) {
+    pair_rank_t *b = &p->rk[r];
+    const size_t n[] = {row * p->cap, row * PT, sizeof(float) * PT * K, sizeof(int32_t) * E};
+    void *untouched[] = {b->recv_bad, b->out_bad, b->tgrad_bad, b->cnt_bad};
+    static const char *const names[] = {"recv_x", "out", "topk_weight_grad", "tokens_per_local_expert"};
+    for (int i = 0; i < 4; i++) {
+      void *h = gu_host_copy(p->cuda, untouched[i], n[i]);
+      CHECK(tu_is_poison(h, n[i]), "%s, %s: rank %d: the unpaired call wrote %s", diff_names[p->diff],
+            p->cuda ? "cuda" : "host", r, names[i]);
+      free(h);
+    }
+    o->recv[r] = gu_host_copy(p->cuda, b->recv, row * p->cap);
+    o->out[r] = gu_host_copy(p->cuda, b->out, row * PT);
+    int64_t *nr = gu_host_copy(p->cuda, b->nrows, sizeof(int64_t));
+    o->nrows[r] = *nr;
+    free(nr);
+    void *bufs[] = {b->x, b->idx, b->w, b->recv_bad, b->recv, b->out_bad, b->out, b->rgrad, b->tgrad_bad,
+                    b->cnt_bad, b->nrows};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) gu_free(p->cuda, bufs[i]);
+  }
+}
+
+/* One backend's run of the pairing: every rank's statuses, messages checked; outputs to `o`. */
+static void pair_run(pairing_t *p, pair_out_t *o) {
+  epx_world_config_t wc;
+  epx_world_config_init(&wc);
+  wc.backend = p->cuda ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+  wc.nranks = PR;
+  CHECK(epx_world_create(&wc, &p->world) == EPX_SUCCESS, "world: %s", epx_last_error());
+  pair_alloc(p);
+  tu_barrier_init(PR);
+  epx_run_ranks(PR, pair_rank, p, NULL);
+  epx_world_destroy(p->world);
+  const char *be = p->cuda ? "cuda" : "host", *what = diff_names[p->diff];
+  const epx_status_t want = p->diff == DIFF_OP ? EPX_ERR_OUT_OF_STEP : EPX_ERR_CONFIG_MISMATCH;
+  for (int r = 0; r < PR; r++) {
+    const pair_rank_t *b = &p->rk[r];
+    CHECK(b->bad == want, "%s, %s: rank %d: %s, want %s (%s)", what, be, r, epx_status_string(b->bad),
+          epx_status_string(want), b->msg);
+    CHECK(strstr(b->msg, p->diff == DIFF_OP ? "epx_combine" : what) != NULL, "%s, %s: rank %d's message: %s", what,
+          be, r, b->msg);
+    if (p->diff == DIFF_OP)
+      CHECK(b->after == EPX_ERR_BROKEN, "%s, %s: rank %d: the call after: %s", what, be, r,
+            epx_status_string(b->after));
+    else
+      CHECK(b->good == EPX_SUCCESS, "%s, %s: rank %d: the good pair after: %s (%s)", what, be, r,
+            epx_status_string(b->good), b->msg);
+  }
+  if (p->diff == DIFF_OP) CHECK(strstr(p->rk[1].msg, "epx_dispatch") != NULL, "the message names both calls");
+  printf("  %s, %s: rank 1 says: %s\n", what, be, p->rk[1].msg);
+  pair_collect(p, o);
+}
+
+/* The same calls on both backends: the same statuses, nothing written by the unpaired call,
+ * and the good calls after it bit for bit the host's. */
+static void pairing(diff_t diff, epx_algo_t algo, epx_layout_t layout, int exact) {
+  tu_moe_t m;
+  int64_t T[PR];
+  for (int r = 0; r < PR; r++) T[r] = PT;
+  tu_route_opts_t o = tu_route_default();
+  tu_moe_random(&m, &tu_rng, PR, E, H, K, EPX_BFLOAT16, T, &o, 1);
+  pair_out_t got[2];
+  for (int cuda = 0; cuda <= 1; cuda++) {
+    pairing_t p = {.diff = diff, .cuda = cuda, .exact = exact, .algo = algo, .layout = layout, .m = &m};
+    p.cap = algo == EPX_ALGO_LL ? (int64_t)E * PT : (int64_t)PR * PT * K + E * 16; /* every pair, padded */
+    pair_run(&p, &got[cuda]);
+    if (cuda == 0) continue;
+    for (int r = 0; r < PR; r++) {
+      char what[128];
+      snprintf(what, sizeof what, "%s: rank %d after the unpaired call", diff_names[diff], r);
+      if (diff != DIFF_OP) {
+        CHECK(got[1].nrows[r] == got[0].nrows[r], "%s: %lld rows, host %lld", what, (long long)got[1].nrows[r],
+              (long long)got[0].nrows[r]);
+        const int64_t rows = algo == EPX_ALGO_LL ? p.cap : got[0].nrows[r];
+        CHECK_BITS(what, EPX_BFLOAT16, got[1].recv[r], got[0].recv[r], rows * H, H);
+        CHECK_BITS(what, EPX_BFLOAT16, got[1].out[r], got[0].out[r], (int64_t)PT * H, H);
+      }
+    }
+  }
+  for (int b = 0; b < 2; b++)
+    for (int r = 0; r < PR; r++) free(got[b].recv[r]), free(got[b].out[r]);
+  tu_moe_free(&m);
+}
+
 int main(void) {
   tu_begin("test_cuda_faults");
   if (!gu_have_gpu()) return GU_SKIP;
@@ -161,6 +380,13 @@ int main(void) {
       CHECK(f.poison_ok[r], "rank %d: written despite the overflow", r);
     }
   }
+  /* calls whose settings differ: CONFIG_MISMATCH on every rank, nothing written, the comm
+   * still usable; different calls: OUT_OF_STEP on every rank, then the comm is broken */
+  pairing(DIFF_ALIGN, EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 1);
+  pairing(DIFF_LAYOUT, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 0);
+  pairing(DIFF_WGRAD, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
+  pairing(DIFF_WGRAD, EPX_ALGO_LL, EPX_LAYOUT_EXPERT, 0);
+  pairing(DIFF_OP, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 0);
   { /* an SM budget the GPU cannot hold at once */
     fault_t f = fresh(4);
     f.num_sms = 1000;
