@@ -264,3 +264,68 @@ def test_refused_handle_is_numbered_like_one_libepx_refuses(world4):
                 return _moe_layer(h, r, *(a[r] for a in inputs), Experts(seed, E, H))
 
     _check_layer(world4.run(rank), inputs, seed)
+
+
+# ---- CUDA (skipped without a GPU and the CUDA backend) ---------------------------------------
+
+
+def _cuda_or_skip():
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and epx.backend_available("cuda")):
+        pytest.skip("needs a CUDA GPU and a libepx built with the CUDA backend")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("algo,layout,exact", [("ht", "token", True), ("ht", "token", False), ("ll", "expert", True)])
+@pytest.mark.parametrize("kind", ["shape", "dtype"])
+def test_cuda_refusing_rank_takes_part(algo, layout, exact, kind):
+    """Ranks sharing GPU 0, each on its own stream: one passes a wrong x, the others good
+    ones. Every rank fails within half the timeout (sync-free peers when they synchronize),
+    the refusing rank with its own error, its peers naming it; then a correct dispatch and
+    combine on the same comm give the CPU backend's bits."""
+    torch = _cuda_or_skip()
+    HG, seed = 128, 95
+    cfg = dict(CFG, hidden=HG)
+    xs, idxs, ws = make_inputs(seed, R, E, HG, K, TOKENS)
+    xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
+    bad_rank = int(rng(seed).integers(R))
+
+    def layer(h, r, device):
+        res = h.dispatch(xb[r].to(device), torch.tensor(idxs[r]).to(device), torch.tensor(ws[r]).to(device))
+        out = h.combine(res.recv_x)
+        h.comm.synchronize()
+        if device != "cpu":
+            torch.cuda.current_stream().synchronize()
+        return out.cpu()
+
+    def rank(world, r):
+        with world.comm(r, **cfg) as comm, comm.handle(algo, layout, exact=exact) as h:
+            x = xb[r].cuda()
+            if r == bad_rank:
+                x = x[:, :-1].contiguous() if kind == "shape" else x.double()
+            err, t0 = None, time.monotonic()
+            try:
+                h.dispatch(x, torch.tensor(idxs[r]).cuda(), torch.tensor(ws[r]).cuda())
+                comm.synchronize()  # sync-free: a failure the device recorded is raised here
+            except epx.Error as e:
+                err = e
+            return err, time.monotonic() - t0, layer(h, r, "cuda")
+
+    with epx.World(R, backend="host") as world:
+        want = world.run(lambda r: _host_layer(world, r, cfg, algo, layout, layer))
+    with epx.World(R, backend="cuda", devices=[0] * R) as world:
+        got = world.run(lambda r: rank(world, r))
+    for r, (err, took, out) in enumerate(got):
+        assert err is not None and took < TIMEOUT_MS / 1000 / 2, (r, err, took)
+        if r == bad_rank:
+            assert type(err) is (epx.ShapeError if kind == "shape" else epx.DTypeError), (r, err)
+        else:
+            assert err.status == epx.Status.INVALID_ARGUMENT and f"rank {bad_rank} failed" in err.message, (r, err)
+        assert torch.equal(out.view(torch.int16), want[r].view(torch.int16)), f"rank {r}"  # the CPU's bits
+
+
+def _host_layer(world, r, cfg, algo, layout, layer):
+    with world.comm(r, **cfg) as comm, comm.handle(algo, layout) as h:
+        return layer(h, r, "cpu")
