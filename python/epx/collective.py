@@ -32,8 +32,9 @@ class _Collective:
     has made its plan then refuses the dispatch alone). Every C collective call goes through
     :meth:`call`; once the operation's last one was made, or any one failed (the rank then
     failed together with its peers), an exception is the rank's own affair and nothing more
-    takes part. Any exception before that (a Python check, a conversion, a stream that cannot
-    host the call) takes part first, then propagates unchanged.
+    takes part. Any exception before that (a Python check, a conversion) takes part first,
+    then propagates unchanged; one whose stream cannot host the call cannot host its refusal
+    either (see :meth:`_take_part`).
 
     Operations nest (``epx.torch.dispatch`` checks its arguments, then calls
     ``Handle.dispatch``): the innermost open one takes part, and whatever it settles (a C
@@ -80,27 +81,28 @@ class _Collective:
 
     def _take_part(self) -> None:
         """Makes the refused call where the operation's own call would have gone: on CUDA the
-        rank's device and the caller's current stream (the comm's last stream if that stream
-        cannot host it). Whatever it returns, this rank reports its own refusal."""
-        fe, device = self._stream_frontend()
-        called = False
-        try:
+        rank's device and the caller's current stream. Where the frontend finds that stream
+        cannot host the call (torch's legacy default stream shared by ranks of one GPU, whose
+        waiting kernels would queue behind each other), it cannot host the refusal either:
+        the rank then reports its error alone, as its peers, on the same streams, do. Whatever
+        the refused call returns, this rank reports its own refusal."""
+        where = self._stream_frontend()
+        if where is None:
+            return
+        fe, device = where
+        with contextlib.suppress(Exception):
             with fe.on_stream(self.comm, device):
-                called = True
                 self.refuse()
-        except Exception:  # noqa: BLE001 - the refusal being raised is what this rank reports
-            if not called:
-                with contextlib.suppress(Exception):
-                    self.refuse()
 
     def _stream_frontend(self):
-        """The frontend and device whose stream the refused call goes to (none for a call
-        that runs on no stream, such as comm creation: ``comm`` None)."""
+        """The frontend and device whose stream the refused call goes to (no stream for a
+        call that runs on none, such as comm creation: ``comm`` None); None where no stream
+        can be told."""
         if self.comm is None or self.comm.backend != "cuda":
             return _NUMPY, None
         try:
             from .torch import _TORCH  # a CUDA world in Python runs on torch (epx.gpu)
 
             return _TORCH, f"cuda:{self.comm.world.device_of(self.comm.rank)}"
-        except Exception:  # noqa: BLE001 - without torch the comm keeps its last stream
-            return _NUMPY, None
+        except Exception:  # noqa: BLE001 - no CUDA stream to trust with the refusal
+            return None

@@ -150,6 +150,19 @@ class Handle(_Owned):
         self._num_tokens = self._rows = None  # as on the peers, whose notify fails
         return _lib.load().epx_notify(self.comm._ptr, self._ptr, ctypes.byref(_refused_routing()))
 
+    def _dispatch_refusal(self, routed: bool, recv_x_given: bool):
+        """The refusal of a dispatch (``routed``: with a routing): the C call its peers make
+        first, which the refusal must be (backends that compare the operation on the device
+        would find another one out of step): epx_notify where the dispatch plans apart."""
+        if routed and not recv_x_given and self._plans_in_notify():
+            return self._refuse_notify
+        return functools.partial(self._refuse_dispatch, routed)
+
+    def _plans_in_notify(self) -> bool:
+        """Whether a dispatch with a routing that sizes its own outputs plans in an epx_notify
+        of its own first, then sizes them exactly: where the host can know the counts."""
+        return self._algo != Algo.LL and (self._exact or self.comm.backend == "host")
+
     def _refuse_dispatch(self, plans: bool) -> int:
         """``plans``: the peers' dispatch plans (it has a routing): the refusal drops this
         rank's plan, as theirs fail."""
@@ -212,7 +225,7 @@ class Handle(_Owned):
         """
         fe = _frontend_of(x, topk_idx, routing_map)
         replay = topk_idx is None and routing_map is None
-        with _Collective(self.comm, functools.partial(self._refuse_dispatch, not replay), fe) as op:
+        with _Collective(self.comm, self._dispatch_refusal(not replay, recv_x is not None), fe) as op:
             x, x_code, r_code, dev = self._dispatch_input(fe, x, replay, topk_weights, probs, recv_dtype,
                                                           scale_by_probs)
             routing, keep, T = None, None, self._num_tokens
@@ -285,7 +298,7 @@ class Handle(_Owned):
             cap = L * self.ll_rows
             shape = (L, self.ll_rows, H)
         else:
-            if routing is not None and (self._exact or c.backend == "host"):
+            if routing is not None and self._plans_in_notify():
                 self._num_tokens = None
                 st = op.call(lambda: _lib.load().epx_notify(c._p(), self._p(), ctypes.byref(routing)), dev, last=False)
                 _check(st, "epx_notify")

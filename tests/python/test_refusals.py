@@ -18,14 +18,16 @@ TIMEOUT_MS = 6000
 CFG = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=8, timeout_ms=TIMEOUT_MS)
 TOKENS = [5, 3, 6, 4]
 
-# the call under test, and the argument the refusing rank gets wrong in it
+# the call under test: the argument the refusing rank gets wrong in it, and the C call its
+# peers make first, which the refusal must be (a backend that compares operations on the
+# device, as CUDA does, would find any other one out of step)
 OPS = {
-    "dispatch": "x",  # with a routing: plans, then dispatches (two C calls on the host backend)
-    "dispatch_into": "x",  # into the caller's recv_x: plan and dispatch are one C call
-    "replay": "x",  # without a routing: the last plan again (combine's gradient)
-    "notify": "topk_idx",
-    "combine": "y",
-    "fp8_scales": "recv_scales",  # found wrong after this dispatch's plan was made on every rank
+    "dispatch": ("x", "epx_notify"),  # with a routing: plans in a notify, then dispatches
+    "dispatch_into": ("x", "epx_dispatch with a routing"),  # into the caller's recv_x: one C call
+    "replay": ("x", "epx_dispatch"),  # without a routing: the last plan again (combine's gradient)
+    "notify": ("topk_idx", "epx_notify"),
+    "combine": ("y", "epx_combine"),
+    "fp8_scales": ("recv_scales", "epx_dispatch"),  # found wrong once every rank has planned
 }
 
 
@@ -69,12 +71,13 @@ def _moe_layer(h, r, x, idx, w, experts):
     return res.recv_x, h.combine(y)
 
 
-def _rank(world_or_comm, r, op, kind, bad_rank, inputs, seed):
-    """One rank: the refused call (timed), then a correct layer on the same comm and handle.
-    Returns (what the call raised, or None; seconds it took; recv_x; out)."""
+def _rank(make_comm, r, op, kind, bad_rank, inputs, seed):
+    """One rank (``make_comm(r)`` opens its comm): the refused call (timed), then a correct
+    layer on the same comm and handle. Returns (what the call raised, or None; seconds it
+    took; recv_x; out)."""
     xs, idxs, ws = inputs
     ex, *_ = expected_expert_layout(xs, idxs, ws, R, L, r)
-    with world_or_comm(r) as comm, comm.handle("ht", "expert") as h:
+    with make_comm(r) as comm, comm.handle("ht", "expert") as h:
         prior = None
         if op in ("replay", "combine"):  # a plan to replay, rows to combine
             prior = h.dispatch(xs[r], topk_idx=idxs[r], topk_weights=ws[r])
@@ -91,17 +94,16 @@ def _rank(world_or_comm, r, op, kind, bad_rank, inputs, seed):
 
 def _check(results, op, kind, bad_rank, inputs, seed):
     """Every rank failed fast, each with its error; the layer afterwards matches the reference."""
-    xs, idxs, ws = inputs
     for r, (err, took, _, _) in enumerate(results):
         assert err is not None, f"rank {r} did not fail"
         assert took < TIMEOUT_MS / 1000 / 2, f"rank {r} took {took:.2f} s to fail ({err!r})"
         assert not isinstance(err, epx.CommTimeoutError), (r, err)
         if r == bad_rank:
             assert type(err) is (epx.ShapeError if kind == "shape" else epx.DTypeError), (r, err)
-            assert err.message.startswith(OPS[op] + " "), err.message  # the Python check's message
+            assert err.message.startswith(OPS[op][0] + " "), err.message  # the Python check's message
         else:
             assert err.status == epx.Status.INVALID_ARGUMENT, (r, err)
-            assert f"rank {bad_rank} failed" in err.message, (r, err.message)
+            assert f"rank {bad_rank} failed {OPS[op][1]} (call" in err.message, (r, err.message)
     _check_layer([res[2:] for res in results], inputs, seed)
 
 
@@ -240,7 +242,8 @@ def test_torch_refusal_takes_part_once(world4, where):
             want = epx.ShapeError if where == "handle" else epx.InvalidArgumentError
             assert type(err) is want and not err.message.startswith("epx_"), (r, err)
         else:
-            assert err.status == epx.Status.INVALID_ARGUMENT and f"rank {bad_rank} failed" in err.message, (r, err)
+            assert err.status == epx.Status.INVALID_ARGUMENT, (r, err)
+            assert f"rank {bad_rank} failed epx_notify (call" in err.message, (r, err)  # the peers' first call
     _check_layer([res[2:] for res in results], inputs, seed)
 
 
@@ -261,3 +264,68 @@ def test_refused_handle_is_numbered_like_one_libepx_refuses(world4):
                 return _moe_layer(h, r, *(a[r] for a in inputs), Experts(seed, E, H))
 
     _check_layer(world4.run(rank), inputs, seed)
+
+
+# ---- CUDA (skipped without a GPU and the CUDA backend) ---------------------------------------
+
+
+def _cuda_or_skip():
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and epx.backend_available("cuda")):
+        pytest.skip("needs a CUDA GPU and a libepx built with the CUDA backend")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("algo,layout,exact", [("ht", "token", True), ("ht", "token", False), ("ll", "expert", True)])
+@pytest.mark.parametrize("kind", ["shape", "dtype"])
+def test_cuda_refusing_rank_takes_part(algo, layout, exact, kind):
+    """Ranks sharing GPU 0, each on its own stream: one passes a wrong x, the others good
+    ones. Every rank fails within half the timeout (sync-free peers when they synchronize),
+    the refusing rank with its own error, its peers naming it; then a correct dispatch and
+    combine on the same comm give the CPU backend's bits."""
+    torch = _cuda_or_skip()
+    HG, seed = 128, 95
+    cfg = dict(CFG, hidden=HG)
+    xs, idxs, ws = make_inputs(seed, R, E, HG, K, TOKENS)
+    xb = [torch.tensor(x).to(torch.bfloat16) for x in xs]
+    bad_rank = int(rng(seed).integers(R))
+
+    def layer(h, r, device):
+        res = h.dispatch(xb[r].to(device), torch.tensor(idxs[r]).to(device), torch.tensor(ws[r]).to(device))
+        out = h.combine(res.recv_x)
+        h.comm.synchronize()
+        if device != "cpu":
+            torch.cuda.current_stream().synchronize()
+        return out.cpu()
+
+    def rank(world, r):
+        with world.comm(r, **cfg) as comm, comm.handle(algo, layout, exact=exact) as h:
+            x = xb[r].cuda()
+            if r == bad_rank:
+                x = x[:, :-1].contiguous() if kind == "shape" else x.double()
+            err, t0 = None, time.monotonic()
+            try:
+                h.dispatch(x, torch.tensor(idxs[r]).cuda(), torch.tensor(ws[r]).cuda())
+                comm.synchronize()  # sync-free: a failure the device recorded is raised here
+            except epx.Error as e:
+                err = e
+            return err, time.monotonic() - t0, layer(h, r, "cuda")
+
+    with epx.World(R, backend="host") as world:
+        want = world.run(lambda r: _host_layer(world, r, cfg, algo, layout, layer))
+    with epx.World(R, backend="cuda", devices=[0] * R) as world:
+        got = world.run(lambda r: rank(world, r))
+    for r, (err, took, out) in enumerate(got):
+        assert err is not None and took < TIMEOUT_MS / 1000 / 2, (r, err, took)
+        if r == bad_rank:
+            assert type(err) is (epx.ShapeError if kind == "shape" else epx.DTypeError), (r, err)
+        else:
+            assert err.status == epx.Status.INVALID_ARGUMENT and f"rank {bad_rank} failed" in err.message, (r, err)
+        assert torch.equal(out.view(torch.int16), want[r].view(torch.int16)), f"rank {r}"  # the CPU's bits
+
+
+def _host_layer(world, r, cfg, algo, layout, layer):
+    with world.comm(r, **cfg) as comm, comm.handle(algo, layout) as h:
+        return layer(h, r, "cpu")

@@ -3,7 +3,6 @@ handle (see :mod:`epx.torch`)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -147,7 +146,7 @@ def dispatch(handle: Handle, x: torch.Tensor, topk_idx=None, topk_weights=None, 
     ``recv_probs`` carry gradients back to ``x`` and the weights. fp8 dispatch is
     forward-only."""
     # a rank refused here still takes part in the dispatch its peers make (epx.collective)
-    with _Collective(handle.comm, functools.partial(handle._refuse_dispatch, True)):
+    with _Collective(handle.comm, handle._dispatch_refusal(True, False)):
         if routing_map is not None:
             if topk_idx is not None or topk_weights is not None:
                 _arg_error("pass topk_idx (+ topk_weights) or routing_map (+ probs), not both")

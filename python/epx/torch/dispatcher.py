@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, Optional
 
 import numpy as np
@@ -145,7 +144,7 @@ class FlexTokenDispatcher:
         ``async_finish`` / ``allocate_on_comm_stream`` are accepted and ignored: epx's work is
         always ordered on the caller's current stream.)"""
         h = self.handle
-        with _Collective(self.comm, functools.partial(h._refuse_dispatch, True)):  # epx.collective
+        with _Collective(self.comm, h._dispatch_refusal(True, False)):  # epx.collective
             if self._idx is None:
                 _arg_error("call dispatch_preprocess first")
             res = dispatch(h, hidden_states, self._idx, probs, recv_dtype=self.recv_dtype)
