@@ -2,14 +2,16 @@
 #   make bench   builds epx and runs epx-bench --check on the best backend here
 #   make test    builds epx and runs every test: CTest on the normal build, the Python tests,
 #                then CTest again under ASan + UBSan
+#   make test-tsan   the C tests (CPU only) under ThreadSanitizer
 BUILD ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 BENCH_ARGS ?=
 
 PYTHON ?= python3
 
-.PHONY: all build bench test test-release test-python test-install test-sanitize clean
+.PHONY: all build bench test test-release test-python test-install test-sanitize test-tsan clean
 
 all: build
 
@@ -43,5 +45,12 @@ test-sanitize:
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# ThreadSanitizer: races between a comm's threads, the rank threads of a world, the
+# bootstrap's server thread and a watchdog's abort. halt_on_error makes a race fail the test.
+test-tsan:
+	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_TSAN=ON -DEPX_ENABLE_CUDA=OFF
+	cmake --build $(TSAN_BUILD) -j $(JOBS)
+	cd $(TSAN_BUILD) && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --output-on-failure -j $(JOBS)
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)

@@ -41,6 +41,17 @@
  *
  * Errors: every call returns an epx_status_t; epx_last_error() gives a thread-local message
  * with the details (which field, which rank, which token). Bad input corrupts nothing.
+ *
+ * Threads: a comm (and its handles) takes one call at a time. A call made while another
+ * thread is inside a call on the same comm fails at once with EPX_ERR_BUSY and touches
+ * nothing; the other call goes on. epx_comm_abort and epx_comm_get_async_error are the
+ * exceptions: any thread, any time.
+ *
+ * Destroyed objects: every call checks that the world, comm or handle it is given is live
+ * (a registry of live objects, so a destroyed pointer is never read): a destroyed one gives
+ * EPX_ERR_INVALID_ARGUMENT, a second destroy too. What cannot be seen: a destroyed object's
+ * address that malloc has since given to a new object of the same kind (the call then acts
+ * on the new one).
  */
 #ifndef EPX_H
 #define EPX_H
@@ -108,6 +119,8 @@ typedef enum {
   EPX_ERR_INTERNAL,           /* a bug in epx */
   EPX_ERR_OUT_OF_STEP,        /* the ranks are in different collective calls (operation, call number or
                                  handle differ): the comm is broken */
+  EPX_ERR_BUSY,               /* the object is in use: another thread is in a call on the comm, or a
+                                 world still has comms, a comm still has handles */
   EPX_NUM_STATUS
 } epx_status_t;
 
@@ -169,7 +182,8 @@ typedef struct {
 
 EPX_API void epx_world_config_init(epx_world_config_t *wc);
 EPX_API epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world);
-/* Frees the world. Every comm on it must be destroyed first. */
+/* Frees the world. Every comm on it must be destroyed first: a world with live comms is
+ * refused with EPX_ERR_BUSY and left as it was. */
 EPX_API epx_status_t epx_world_destroy(epx_world_t *world);
 EPX_API int epx_world_nranks(const epx_world_t *world);
 EPX_API epx_backend_t epx_world_backend(const epx_world_t *world);
@@ -177,7 +191,11 @@ EPX_API epx_backend_t epx_world_backend(const epx_world_t *world);
 /* ---- groups across processes (one process per GPU) ------------------------------------
  * NCCL-style: one rank calls epx_get_unique_id (which starts the bootstrap listener on this
  * host), the caller shares the id with the other processes however it likes, and every
- * process calls epx_world_create_rank with it. Alternatively bootstrap over the caller's own
+ * process calls epx_world_create_rank with it. The id is a secret (a random key; the
+ * listener admits only processes that prove they hold it, without sending it): whoever
+ * holds it can join the group as a missing rank or make the group fail, nobody else can.
+ * Every rank must run as one user; a rank's unix socket admits only the peer processes
+ * the group announced. Alternatively bootstrap over the caller's own
  * allgather (e.g. torch.distributed). The world then drives one rank: the one given.
  *
  * Both backends work this way; every process must be on this host. On CUDA (wc->devices[rank]
@@ -230,6 +248,8 @@ EPX_API void epx_config_init(epx_config_t *cfg);
  * any difference fails on every rank with EPX_ERR_CONFIG_MISMATCH naming the field and the
  * ranks, except max_tokens_per_rank (the group's maximum is taken) and timeout_ms. */
 EPX_API epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm);
+/* A comm with live handles, or one another thread is calling, is refused with EPX_ERR_BUSY
+ * and left as it was. */
 EPX_API epx_status_t epx_comm_destroy(epx_comm_t *comm);
 EPX_API int epx_comm_rank(const epx_comm_t *comm);
 EPX_API int epx_comm_nranks(const epx_comm_t *comm);
@@ -244,6 +264,25 @@ EPX_API epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream);
  * some rank. This is how sync-free and graph-captured work learns its status. The host
  * backend reports everything when each call returns, so this returns EPX_SUCCESS there. */
 EPX_API epx_status_t epx_comm_synchronize(epx_comm_t *comm);
+
+/* For a framework's watchdog (what ncclCommAbort and ncclCommGetAsyncError are to NCCL).
+ * Both may be called from any thread, also while another thread is inside a call on the
+ * comm, and neither waits for anything.
+ *
+ * epx_comm_abort breaks the comm's group for good: every wait of this rank and of its peers
+ * ends within milliseconds with EPX_ERR_BROKEN and a message that says which rank aborted;
+ * every later collective on the group fails fast with EPX_ERR_BROKEN. Outputs of the calls
+ * it cuts short are undefined (the sentinel rule does not hold for them). Aborting twice is
+ * harmless. Then destroy the comms and the world and make them again. The CUDA backend does
+ * not implement it yet: EPX_ERR_UNSUPPORTED, and nothing changes.
+ *
+ * epx_comm_get_async_error stores in *status what broke the comm or its group so far
+ * (EPX_ERR_TIMEOUT, EPX_ERR_PEER_LOST, EPX_ERR_BROKEN after an abort; a peer process found
+ * dead counts even if no wait has seen it yet), or EPX_SUCCESS, and returns the same status
+ * with its message in epx_last_error(). A comm that is not live gives
+ * EPX_ERR_INVALID_ARGUMENT and *status is left alone. CUDA: EPX_ERR_UNSUPPORTED for now. */
+EPX_API epx_status_t epx_comm_abort(epx_comm_t *comm);
+EPX_API epx_status_t epx_comm_get_async_error(epx_comm_t *comm, epx_status_t *status);
 
 /* Runs fn(rank, arg) on one thread per rank 0..nranks-1 and waits for all of them. Statuses
  * (may be NULL) receives each rank's return value; the call returns the first failure. */

@@ -570,7 +570,8 @@ static void status_strings(void) {
       "EPX_ERR_EXPERTS_NOT_DIVISIBLE", "EPX_ERR_TOPK_RANGE", "EPX_ERR_HIDDEN_RANGE", "EPX_ERR_ROW_ALIGNMENT",
       "EPX_ERR_OUTPUT_TOO_SMALL", "EPX_ERR_LL_OVERFLOW",   "EPX_ERR_CONFIG_MISMATCH",  "EPX_ERR_TIMEOUT",
       "EPX_ERR_PEER_LOST",    "EPX_ERR_UNSUPPORTED",      "EPX_ERR_OUT_OF_MEMORY",    "EPX_ERR_SYSTEM",
-      "EPX_ERR_CUDA",         "EPX_ERR_BROKEN",           "EPX_ERR_INTERNAL",         "EPX_ERR_OUT_OF_STEP"};
+      "EPX_ERR_CUDA",         "EPX_ERR_BROKEN",           "EPX_ERR_INTERNAL",         "EPX_ERR_OUT_OF_STEP",
+      "EPX_ERR_BUSY"};
   for (int i = 0; i < EPX_NUM_STATUS; i++) {
     const char *s = epx_status_string((epx_status_t)i);
     CHECK(s != NULL, "epx_status_string(%d) is NULL", i);

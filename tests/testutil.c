@@ -282,3 +282,32 @@ void tu_pipe_free(tu_pipe_res_t *res, int R) {
   }
   memset(res, 0, sizeof *res);
 }
+
+int tu_world_usable(const char *what, tu_world_t *w, int E, int H, int K) {
+  epx_handle_t *h[TU_MAX_RANKS] = {0};
+  epx_handle_config_t hc = tu_handle_config(EPX_ALGO_HT, EPX_LAYOUT_EXPERT, 2);
+  if (!CHECK_STATUS(tu_handles_create(w, &hc, h), EPX_SUCCESS, "%s: handles", what)) return 1;
+  int64_t T[TU_MAX_RANKS];
+  for (int r = 0; r < w->R; r++) T[r] = tu_int(&tu_rng, 0, 9);
+  tu_route_opts_t o = tu_route_default();
+  tu_moe_t m;
+  tu_moe_random(&m, &tu_rng, w->R, E, H, K, EPX_FLOAT32, T, &o, 1);
+  tu_pipe_t p = tu_pipe_default();
+  p.layout = EPX_LAYOUT_EXPERT, p.align = 2;
+  tu_pipe_res_t res;
+  const int rc = tu_pipe_check(what, w, h, &m, &p, NULL, &res);
+  CHECK(rc == 0, "%s: the pipeline ran on every rank", what);
+  tu_pipe_free(&res, w->R);
+  tu_moe_free(&m);
+  tu_handles_destroy(w, h);
+  return rc;
+}
+
+void tu_refused_args(void *buf, int64_t cap, epx_dispatch_args_t *da, epx_combine_args_t *ca) {
+  epx_dispatch_args_init(da);
+  da->x_dtype = da->recv_dtype = EPX_FLOAT32;
+  da->x = buf, da->recv_x = buf, da->recv_capacity = cap;
+  epx_combine_args_init(ca);
+  ca->y_dtype = ca->out_dtype = EPX_FLOAT32;
+  ca->y = buf, ca->out = buf;
+}

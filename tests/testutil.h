@@ -85,4 +85,12 @@ void tu_pipe_free(tu_pipe_res_t *res, int R);
 int tu_pipe_check_at(const char *file, int line, const char *what, tu_world_t *w, epx_handle_t *const *h,
                      const tu_moe_t *m, const tu_pipe_t *p, const float *const *dense_w, tu_pipe_res_t *res);
 
+/* Dispatch and combine arguments (float32) whose every buffer is buf, of cap rows: for
+ * calls that must be refused, so that buf shows whether anything was written. */
+void tu_refused_args(void *buf, int64_t cap, epx_dispatch_args_t *da, epx_combine_args_t *ca);
+
+/* Whether the group of w still works: a fresh random pipeline (new handles, HT expert layout,
+ * combine) on every rank, checked against the dense reference. Returns 0 when it did. */
+int tu_world_usable(const char *what, tu_world_t *w, int E, int H, int K);
+
 #endif /* EPX_TESTUTIL_H */

@@ -28,6 +28,7 @@ from .config import Config, backend_available, backend_unavailable_reason, libra
 from .dtypes import bf16_bits_to_float32, dequantize_e4m3, e4m3_to_float32, float32_to_bf16_bits, quantize_e4m3
 from .errors import (
     BrokenCommError,
+    BusyError,
     CommTimeoutError,
     ConfigMismatchError,
     CudaError,
@@ -70,7 +71,8 @@ __all__ = [
     "ExpertOutOfRangeError", "ExpertsNotDivisibleError", "TopkRangeError", "HiddenRangeError",
     "RowAlignmentError", "OutputTooSmallError", "LowLatencyOverflowError", "ConfigMismatchError",
     "CommTimeoutError", "TimeoutError_", "PeerLostError", "UnsupportedError", "OutOfMemoryError",
-    "SystemCallError", "CudaError", "BrokenCommError", "InternalError", "OutOfStepError", "error_class",
+    "SystemCallError", "CudaError", "BrokenCommError", "InternalError", "OutOfStepError", "BusyError",
+    "error_class",
     "backend_available", "backend_unavailable_reason", "library_path", "status_string", "get_unique_id",
     "map_to_topk", "topk_to_map", "float32_to_bf16_bits", "bf16_bits_to_float32", "e4m3_to_float32",
     "quantize_e4m3", "dequantize_e4m3", "run_threads", "layout_counts",

@@ -92,6 +92,7 @@ class Status(enum.IntEnum):
     BROKEN = 17
     INTERNAL = 18
     OUT_OF_STEP = 19
+    BUSY = 20
 
     @property
     def c_name(self) -> str:
@@ -99,7 +100,7 @@ class Status(enum.IntEnum):
         return "EPX_SUCCESS" if self == Status.SUCCESS else "EPX_ERR_" + self.name
 
 
-NUM_STATUS = 20
+NUM_STATUS = 21
 
 
 class DType(enum.IntEnum):
@@ -286,6 +287,8 @@ _FUNCTIONS = {
     "epx_comm_config": (POINTER(Config), [_P]),
     "epx_comm_set_stream": (c_enum, [_P, _P]),
     "epx_comm_synchronize": (c_enum, [_P]),
+    "epx_comm_abort": (c_enum, [_P]),
+    "epx_comm_get_async_error": (c_enum, [_P, POINTER(c_enum)]),
     "epx_run_ranks": (c_enum, [c_int, RANK_FN, _P, POINTER(c_enum)]),
     "epx_map_to_topk": (c_enum, [c_int64, c_int, c_int, _P, _P, _P, _P]),
     "epx_topk_to_map": (c_enum, [c_int64, c_int, c_int, c_enum, _P, _P, _P, _P]),
@@ -306,7 +309,7 @@ _FUNCTIONS = {
 # Declared in epx.h but possibly missing from an older or partial build: bound when present,
 # else calling them raises an UnsupportedError (see world.py).
 OPTIONAL = frozenset({"epx_get_unique_id", "epx_world_create_rank", "epx_world_create_rank_with",
-                      "epx_comm_synchronize"})
+                      "epx_comm_synchronize", "epx_comm_abort", "epx_comm_get_async_error"})
 
 _LIB_NAMES = ("libepx.so", "libepx.dylib")
 

@@ -41,6 +41,7 @@ class Error(Exception):
     BrokenCommError             BROKEN                          RuntimeError
     InternalError               INTERNAL                        RuntimeError
     OutOfStepError              OUT_OF_STEP                     RuntimeError
+    BusyError                   BUSY                            RuntimeError
     ==========================  ==============================  ==========================
     """
 
@@ -91,6 +92,9 @@ InternalError = _errcls("InternalError", Status.INTERNAL, RuntimeError)
 OutOfStepError = _errcls("OutOfStepError", Status.OUT_OF_STEP, RuntimeError,
                          doc="Status EPX_ERR_OUT_OF_STEP: the ranks were in different collective calls (another "
                              "operation, call number or handle); the comm is broken afterwards.")
+BusyError = _errcls("BusyError", Status.BUSY, RuntimeError,
+                     doc="Status EPX_ERR_BUSY: another thread is inside a call on the comm, or a destroy found "
+                         "live comms or handles; the call did nothing.")
 TimeoutError_ = CommTimeoutError
 
 
@@ -132,6 +136,7 @@ _ERRORS = {
     Status.BROKEN: BrokenCommError,
     Status.INTERNAL: InternalError,
     Status.OUT_OF_STEP: OutOfStepError,
+    Status.BUSY: BusyError,
 }
 
 

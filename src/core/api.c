@@ -1,6 +1,7 @@
 /* The public entry points: argument checks common to every backend, object life cycles,
  * and the hand-off to the backend. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,7 @@ const char *epx_backend_name(epx_backend_t backend) {
 }
 
 epx_status_t epx_backend_available(epx_backend_t backend) {
+  epxi_clear_error();
   switch (backend) {
     case EPX_BACKEND_HOST: return EPX_SUCCESS;
     case EPX_BACKEND_CUDA:
@@ -103,12 +105,16 @@ static epx_status_t world_make(const epx_world_config_t *wc, int first_rank, int
                                                     epxi_env()->timeout_ms, &w->group)
                             : epxi_group_create(w->nranks, &w->group);
   if (s == EPX_SUCCESS && ops->world_create) s = ops->world_create(w);
+  bool made = s == EPX_SUCCESS;
+  if (s == EPX_SUCCESS) s = epxi_obj_register(w, EPXI_OBJ_WORLD);
   if (s != EPX_SUCCESS) {
+    if (made && ops->world_destroy) ops->world_destroy(w);
     if (w->group) epxi_group_destroy(w->group);
     free(w);
     return s;
   }
   *world = w;
+  epxi_clear_error();
   return EPX_SUCCESS;
 }
 
@@ -121,11 +127,26 @@ epx_status_t epx_world_create(const epx_world_config_t *wc, epx_world_t **world)
   return world_make(wc, 0, wc->nranks, NULL, NULL, world);
 }
 
+/* Unregisters a world nothing uses any more (registry locked). */
+static epx_status_t retire_world(void *obj, void *arg) {
+  epx_world_t *w = obj;
+  (void)arg;
+  int n = atomic_load(&w->live_comms);
+  if (n > 0)
+    return epxi_fail(EPX_ERR_BUSY, "epx_world_destroy: the world still has %d live comm%s: destroy them first", n,
+                     n == 1 ? "" : "s");
+  epxi_obj_unregister(w, EPXI_OBJ_WORLD);
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_world_destroy(epx_world_t *world) {
+  epxi_clear_error();
   if (!world) return EPX_SUCCESS;
+  EPX_CHECK(epxi_obj_with(world, EPXI_OBJ_WORLD, "epx_world_destroy", retire_world, NULL));
   if (world->ops->world_destroy) world->ops->world_destroy(world);
   epxi_group_destroy(world->group);
   free(world);
+  epxi_clear_error();
   return EPX_SUCCESS;
 }
 
@@ -178,8 +199,12 @@ epx_status_t epx_world_create_rank_with(const epx_world_config_t *wc, int rank, 
   return world_make(wc, rank, 1, user_exchange, &u, world);
 }
 
-int epx_world_nranks(const epx_world_t *world) { return world ? world->nranks : 0; }
-epx_backend_t epx_world_backend(const epx_world_t *world) { return world ? world->backend : EPX_BACKEND_HOST; }
+int epx_world_nranks(const epx_world_t *world) {
+  return epxi_obj_live(world, EPXI_OBJ_WORLD) ? world->nranks : 0;
+}
+epx_backend_t epx_world_backend(const epx_world_t *world) {
+  return epxi_obj_live(world, EPXI_OBJ_WORLD) ? world->backend : EPX_BACKEND_HOST;
+}
 
 /* ---- config and comm ------------------------------------------------------------------ */
 
@@ -255,9 +280,26 @@ static epx_status_t check_backend_config(const epx_world_t *world, const epx_con
   return EPX_SUCCESS;
 }
 
+/* A comm being made keeps its world from being destroyed (registry locked). */
+static epx_status_t reserve_world(void *obj, void *arg) {
+  (void)arg;
+  atomic_fetch_add(&((epx_world_t *)obj)->live_comms, 1);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t comm_init_body(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm);
+
 epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm) {
   epxi_clear_error();
   if (!world || !cfg || !comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_init: world, config and comm are required");
+  EPX_CHECK(epxi_obj_with(world, EPXI_OBJ_WORLD, "epx_comm_init", reserve_world, NULL));
+  epx_status_t s = comm_init_body(world, rank, cfg, comm);
+  if (s != EPX_SUCCESS) atomic_fetch_sub(&world->live_comms, 1);
+  else epxi_clear_error();
+  return s;
+}
+
+static epx_status_t comm_init_body(epx_world_t *world, int rank, const epx_config_t *cfg, epx_comm_t **comm) {
   if (rank < 0 || rank >= world->nranks)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d outside [0, %d)", rank, world->nranks);
   if (rank < world->first_rank || rank >= world->first_rank + world->num_local)
@@ -284,7 +326,10 @@ epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg
   c->cfg = mine.cfg;
   c->num_local_experts = cfg->num_experts / world->nranks;
   epx_status_t s = world->ops->comm_init ? world->ops->comm_init(c) : EPX_SUCCESS;
+  bool made = s == EPX_SUCCESS;
+  if (s == EPX_SUCCESS) s = epxi_obj_register(c, EPXI_OBJ_COMM);
   if (s != EPX_SUCCESS) {
+    if (made && world->ops->comm_destroy) world->ops->comm_destroy(c);
     free(c);
     return s;
   }
@@ -292,21 +337,148 @@ epx_status_t epx_comm_init(epx_world_t *world, int rank, const epx_config_t *cfg
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_comm_destroy(epx_comm_t *comm) {
-  if (!comm) return EPX_SUCCESS;
-  if (comm->world->ops->comm_destroy) comm->world->ops->comm_destroy(comm);
-  free(comm);
+/* ---- taking a comm for one call -------------------------------------------------------- */
+
+typedef struct {
+  const epx_handle_t *handle; /* checked too, when not NULL */
+  const char *what;
+  bool *dead; /* a collective call's: a handle that is not live is noted here, not refused */
+} enter_arg_t;
+
+/* Registry locked: the handle is live and the comm's, and no other thread is in the comm. A
+ * collective call lets a dead or foreign handle in: it refuses it while taking part (api.c's
+ * fail_collective), so the peers fail at once too. */
+static epx_status_t enter_locked(void *obj, void *arg) {
+  epx_comm_t *c = obj;
+  const enter_arg_t *a = arg;
+  const bool live = !a->handle || epxi_obj_live(a->handle, EPXI_OBJ_HANDLE);
+  if (a->dead) *a->dead = !live;
+  if (!a->dead && !live)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle is not a live epx handle (destroyed already?)", a->what);
+  if (!a->dead && a->handle && a->handle->comm != c)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle belongs to another comm", a->what);
+  int idle = 0;
+  if (!atomic_compare_exchange_strong(&c->in_call, &idle, 1))
+    return epxi_fail(EPX_ERR_BUSY,
+                     "%s on rank %d: another thread is inside a call on this comm (a comm takes one call at a time)",
+                     a->what, c->rank);
   return EPX_SUCCESS;
 }
 
-int epx_comm_rank(const epx_comm_t *comm) { return comm ? comm->rank : -1; }
-int epx_comm_nranks(const epx_comm_t *comm) { return comm ? comm->nranks : 0; }
-const epx_config_t *epx_comm_config(const epx_comm_t *comm) { return comm ? &comm->cfg : NULL; }
+static epx_status_t comm_enter(epx_comm_t *comm, const epx_handle_t *handle, const char *what) {
+  enter_arg_t a = {handle, what, NULL};
+  return epxi_obj_with(comm, EPXI_OBJ_COMM, what, enter_locked, &a);
+}
+
+/* comm_enter for a collective call: *dead says whether `handle` is not a live handle (the
+ * call then goes on with none, and refuses it while taking part). */
+static epx_status_t comm_enter_call(epx_comm_t *comm, const epx_handle_t *handle, const char *what, bool *dead) {
+  *dead = false;
+  enter_arg_t a = {handle, what, dead};
+  return epxi_obj_with(comm, EPXI_OBJ_COMM, what, enter_locked, &a);
+}
+
+/* Ends a call that comm_enter let in: its status, with no message left on success. */
+static epx_status_t comm_leave(epx_comm_t *comm, epx_status_t s) {
+  atomic_store(&comm->in_call, 0);
+  if (s == EPX_SUCCESS) epxi_clear_error();
+  return s;
+}
+
+/* Unregisters a comm nothing uses any more (registry locked). */
+static epx_status_t retire_comm(void *obj, void *arg) {
+  epx_comm_t *c = obj;
+  (void)arg;
+  int n = atomic_load(&c->live_handles);
+  if (n > 0)
+    return epxi_fail(EPX_ERR_BUSY, "epx_comm_destroy on rank %d: the comm still has %d live handle%s: destroy them first",
+                     c->rank, n, n == 1 ? "" : "s");
+  if (atomic_load(&c->in_call))
+    return epxi_fail(EPX_ERR_BUSY, "epx_comm_destroy on rank %d: another thread is inside a call on this comm", c->rank);
+  epxi_obj_unregister(c, EPXI_OBJ_COMM);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_destroy(epx_comm_t *comm) {
+  epxi_clear_error();
+  if (!comm) return EPX_SUCCESS;
+  EPX_CHECK(epxi_obj_with(comm, EPXI_OBJ_COMM, "epx_comm_destroy", retire_comm, NULL));
+  epx_world_t *w = comm->world;
+  if (w->ops->comm_destroy) w->ops->comm_destroy(comm);
+  free(comm);
+  atomic_fetch_sub(&w->live_comms, 1);
+  epxi_clear_error();
+  return EPX_SUCCESS;
+}
+
+int epx_comm_rank(const epx_comm_t *comm) { return epxi_obj_live(comm, EPXI_OBJ_COMM) ? comm->rank : -1; }
+int epx_comm_nranks(const epx_comm_t *comm) { return epxi_obj_live(comm, EPXI_OBJ_COMM) ? comm->nranks : 0; }
+const epx_config_t *epx_comm_config(const epx_comm_t *comm) {
+  return epxi_obj_live(comm, EPXI_OBJ_COMM) ? &comm->cfg : NULL;
+}
 
 epx_status_t epx_comm_set_stream(epx_comm_t *comm, void *stream) {
-  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_set_stream: comm is NULL");
+  epxi_clear_error();
+  EPX_CHECK(comm_enter(comm, NULL, "epx_comm_set_stream"));
   comm->stream = stream;
+  return comm_leave(comm, EPX_SUCCESS);
+}
+
+/* ---- abort and the asynchronous error ------------------------------------------------ */
+
+epx_status_t epxi_comm_abort_group(epx_comm_t *comm) {
+  epxi_group_abort(comm->world->group, comm->rank);
   return EPX_SUCCESS;
+}
+
+epx_status_t epxi_comm_group_error(epx_comm_t *comm, char *why, size_t size) {
+  return epxi_group_error(comm->world->group, comm->rank, why, size);
+}
+
+/* Registry locked (the comm cannot be destroyed meanwhile); never waits. */
+static epx_status_t abort_locked(void *obj, void *arg) {
+  epx_comm_t *c = obj;
+  (void)arg;
+  if (!c->world->ops->comm_abort)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "epx_comm_abort: the %s backend does not implement abort yet",
+                     c->world->ops->name);
+  EPX_CHECK(c->world->ops->comm_abort(c));
+  c->broken = true;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_abort(epx_comm_t *comm) {
+  epxi_clear_error();
+  EPX_CHECK(epxi_obj_with(comm, EPXI_OBJ_COMM, "epx_comm_abort", abort_locked, NULL));
+  epxi_clear_error();
+  return EPX_SUCCESS;
+}
+
+static epx_status_t async_error_locked(void *obj, void *arg) {
+  epx_comm_t *c = obj;
+  epx_status_t *out = arg;
+  if (!c->world->ops->async_error)
+    return epxi_fail(EPX_ERR_UNSUPPORTED, "epx_comm_get_async_error: the %s backend does not implement it yet",
+                     c->world->ops->name);
+  char why[512];
+  why[0] = '\0';
+  epx_status_t s = c->world->ops->async_error(c, why, sizeof why);
+  if (s == EPX_SUCCESS && c->broken) {
+    s = EPX_ERR_BROKEN;
+    snprintf(why, sizeof why, "an earlier call failed and left the comm broken");
+  }
+  *out = s;
+  if (s == EPX_SUCCESS) return s;
+  return epxi_fail(s, "rank %d: %s", c->rank, why);
+}
+
+epx_status_t epx_comm_get_async_error(epx_comm_t *comm, epx_status_t *status) {
+  epxi_clear_error();
+  if (!status) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_get_async_error: status is NULL");
+  epx_status_t found = EPX_SUCCESS;
+  epx_status_t s = epxi_obj_with(comm, EPXI_OBJ_COMM, "epx_comm_get_async_error", async_error_locked, &found);
+  if (s == EPX_SUCCESS || s == found) *status = found;
+  return s;
 }
 
 /* Marks the comm broken when the group failed under the call. */
@@ -363,9 +535,9 @@ static epx_status_t track_order(epx_comm_t *comm, const epx_handle_t *handle, bo
 
 epx_status_t epx_comm_synchronize(epx_comm_t *comm) {
   epxi_clear_error();
-  if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_comm_synchronize: comm is NULL");
-  if (!comm->world->ops->synchronize) return EPX_SUCCESS;
-  return collective_result(comm, comm->world->ops->synchronize(comm));
+  EPX_CHECK(comm_enter(comm, NULL, "epx_comm_synchronize"));
+  if (!comm->world->ops->synchronize) return comm_leave(comm, EPX_SUCCESS);
+  return comm_leave(comm, collective_result(comm, comm->world->ops->synchronize(comm)));
 }
 
 /* ---- layout and handles --------------------------------------------------------------- */
@@ -389,9 +561,18 @@ epx_status_t epx_layout_counts(int nranks, int num_experts, int topk, const epx_
   return EPX_SUCCESS;
 }
 
+static epx_status_t get_layout_body(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
+                                    int32_t *tokens_per_expert, uint8_t *is_token_in_rank);
+
 epx_status_t epx_get_layout(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
                             int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   epxi_clear_error();
+  EPX_CHECK(comm_enter(comm, NULL, "epx_get_layout"));
+  return comm_leave(comm, get_layout_body(comm, routing, tokens_per_rank, tokens_per_expert, is_token_in_rank));
+}
+
+static epx_status_t get_layout_body(epx_comm_t *comm, const epx_routing_t *routing, int32_t *tokens_per_rank,
+                                    int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
   EPX_CHECK(check_comm(comm, "epx_get_layout"));
   EPX_CHECK(check_order(comm, NULL, false, EPX_PART_ALL, "epx_get_layout"));
   EPX_CHECK(epxi_check_routing_form(routing));
@@ -407,11 +588,18 @@ void epx_handle_config_init(epx_handle_config_t *hc) {
   hc->exact = 1;
 }
 
+static epx_status_t handle_create_body(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle);
+
 epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle) {
   epxi_clear_error();
   if (!comm) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: comm is NULL");
-  /* counted even when it fails, so the ranks' numbers stay equal as long as they make the
-   * same calls */
+  EPX_CHECK(comm_enter(comm, NULL, "epx_handle_create"));
+  return comm_leave(comm, handle_create_body(comm, hc, handle));
+}
+
+static epx_status_t handle_create_body(epx_comm_t *comm, const epx_handle_config_t *hc, epx_handle_t **handle) {
+  /* counted even when it fails (not when the comm was busy: then the call did nothing), so
+   * the ranks' numbers stay equal as long as they make the same calls */
   const uint64_t id = ++comm->handles_made;
   if (!hc || !handle) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_create: config and handle are required");
   EPX_CHECK(EPX_CHECK_STRUCT(hc, epx_handle_config_t, epx_handle_config_init, "epx_handle_create"));
@@ -437,23 +625,45 @@ epx_status_t epx_handle_create(epx_comm_t *comm, const epx_handle_config_t *hc, 
     h->hc.align = 1;
   }
   epx_status_t s = comm->world->ops->handle_create(h);
-  if (s != EPX_SUCCESS) {
+  bool made = s == EPX_SUCCESS;
+  if (s == EPX_SUCCESS) s = epxi_obj_register(h, EPXI_OBJ_HANDLE);
+  if (s != EPX_SUCCESS) { /* what it took goes back */
+    if (made) comm->world->ops->handle_destroy(h);
     free(h);
     return s;
   }
+  atomic_fetch_add(&comm->live_handles, 1);
   *handle = h;
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_handle_destroy(epx_handle_t *handle) {
-  if (!handle) return EPX_SUCCESS;
-  if (handle->comm->pending == handle) handle->comm->pending = NULL;
-  handle->comm->world->ops->handle_destroy(handle);
-  free(handle);
+/* Registry locked: takes the handle's comm (as comm_enter does) and unregisters the
+ * handle; its comm stays taken until the handle is gone. */
+static epx_status_t retire_handle(void *obj, void *arg) {
+  epx_handle_t *h = obj;
+  (void)arg;
+  EPX_CHECK(comm_enter(h->comm, h, "epx_handle_destroy"));
+  epxi_obj_unregister(h, EPXI_OBJ_HANDLE);
   return EPX_SUCCESS;
 }
 
-static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, bool planned, const char *op) {
+epx_status_t epx_handle_destroy(epx_handle_t *handle) {
+  epxi_clear_error();
+  if (!handle) return EPX_SUCCESS;
+  EPX_CHECK(epxi_obj_with(handle, EPXI_OBJ_HANDLE, "epx_handle_destroy", retire_handle, NULL));
+  epx_comm_t *comm = handle->comm;
+  if (comm->pending == handle) comm->pending = NULL;
+  comm->world->ops->handle_destroy(handle);
+  free(handle);
+  atomic_fetch_sub(&comm->live_handles, 1);
+  return comm_leave(comm, EPX_SUCCESS);
+}
+
+/* `dead`: the caller passed a pointer that is not a live handle (comm_enter_call). */
+static epx_status_t check_handle(epx_comm_t *comm, const epx_handle_t *handle, bool dead, bool planned,
+                                 const char *op) {
+  if (dead)
+    return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle is not a live epx handle (destroyed already?)", op);
   if (!handle) return epxi_fail(EPX_ERR_NULL_POINTER, "%s: handle is NULL", op);
   if (handle->comm != comm)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: the handle belongs to another comm", op);
@@ -501,22 +711,46 @@ static epx_status_t plan(epx_comm_t *comm, epx_handle_t *handle, const epx_routi
   return s;
 }
 
+static epx_status_t notify_body(epx_comm_t *comm, epx_handle_t *handle, bool dead, const epx_routing_t *routing);
+
 epx_status_t epx_notify(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing) {
   epxi_clear_error();
+  bool dead;
+  EPX_CHECK(comm_enter_call(comm, handle, "epx_notify", &dead));
+  return comm_leave(comm, notify_body(comm, dead ? NULL : handle, dead, routing));
+}
+
+static epx_status_t notify_body(epx_comm_t *comm, epx_handle_t *handle, bool dead, const epx_routing_t *routing) {
   EPX_CHECK(check_comm(comm, "epx_notify"));
   begin_call(comm, EPXI_OP_NOTIFY, handle);
-  epx_status_t bad = check_handle(comm, handle, false, "epx_notify");
+  epx_status_t bad = check_handle(comm, handle, dead, false, "epx_notify");
   if (bad == EPX_SUCCESS) bad = check_order(comm, handle, false, EPX_PART_ALL, "epx_notify");
   if (bad != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_NOTIFY, bad, REFUSED_HANDLE_OR_ORDER);
   return plan(comm, handle, routing, false);
 }
 
+/* Registry locked: takes the handle's comm for the call (arg: the call's name). */
+static epx_status_t enter_handle_comm(void *obj, void *arg) {
+  epx_handle_t *h = obj;
+  return comm_enter(h->comm, h, arg);
+}
+
+epx_status_t epxi_handle_take(const epx_handle_t *handle, const char *what) {
+  return epxi_obj_with(handle, EPXI_OBJ_HANDLE, what, enter_handle_comm, (void *)what);
+}
+
+epx_status_t epxi_handle_give(const epx_handle_t *handle, epx_status_t s) { return comm_leave(handle->comm, s); }
+
 epx_status_t epx_handle_info(const epx_handle_t *handle, epx_handle_info_t *info, int32_t *tokens_per_local_expert) {
   epxi_clear_error();
   if (!handle || !info) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_info: handle and info are required");
-  EPX_CHECK(check_handle(handle->comm, handle, true, "epx_handle_info"));
-  memset(info, 0, sizeof *info); /* fields a backend does not know stay 0 */
-  return handle->comm->world->ops->handle_info(handle, info, tokens_per_local_expert);
+  EPX_CHECK(epxi_handle_take(handle, "epx_handle_info"));
+  epx_status_t s = check_handle(handle->comm, handle, false, true, "epx_handle_info");
+  if (s == EPX_SUCCESS) {
+    memset(info, 0, sizeof *info); /* fields a backend does not know stay 0 */
+    s = handle->comm->world->ops->handle_info(handle, info, tokens_per_local_expert);
+  }
+  return epxi_handle_give(handle, s);
 }
 
 /* ---- dispatch and combine ------------------------------------------------------------- */
@@ -566,9 +800,19 @@ static epx_status_t check_dispatch_args(const epx_comm_t *comm, const epx_dispat
   return EPX_SUCCESS;
 }
 
+static epx_status_t dispatch_body(epx_comm_t *comm, epx_handle_t *handle, bool dead, const epx_routing_t *routing,
+                                  const epx_dispatch_args_t *args);
+
 epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_routing_t *routing,
                           const epx_dispatch_args_t *args) {
   epxi_clear_error();
+  bool dead;
+  EPX_CHECK(comm_enter_call(comm, handle, "epx_dispatch", &dead));
+  return comm_leave(comm, dispatch_body(comm, dead ? NULL : handle, dead, routing, args));
+}
+
+static epx_status_t dispatch_body(epx_comm_t *comm, epx_handle_t *handle, bool dead, const epx_routing_t *routing,
+                                  const epx_dispatch_args_t *args) {
   EPX_CHECK(check_comm(comm, "epx_dispatch"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
   const epxi_op_t op = routing && part != EPX_PART_COMPLETE ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_DISPATCH;
@@ -578,7 +822,7 @@ epx_status_t epx_dispatch(epx_comm_t *comm, epx_handle_t *handle, const epx_rout
   epx_status_t refused = part == EPX_PART_COMPLETE
                              ? EPX_CHECK_STRUCT(args, epx_dispatch_args_t, epx_dispatch_args_init, "epx_dispatch")
                              : EPX_SUCCESS;
-  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, false, "epx_dispatch");
+  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, dead, false, "epx_dispatch");
   if (refused == EPX_SUCCESS) refused = check_order(comm, handle, false, part, "epx_dispatch");
   if (refused != EPX_SUCCESS) return fail_collective(comm, handle, op, refused, REFUSED_HANDLE_OR_ORDER);
   if (part == EPX_PART_COMPLETE) { /* reuses what its SEND was given */
@@ -627,8 +871,16 @@ static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine
   return EPX_SUCCESS;
 }
 
+static epx_status_t combine_body(epx_comm_t *comm, epx_handle_t *handle, bool dead, const epx_combine_args_t *args);
+
 epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combine_args_t *args) {
   epxi_clear_error();
+  bool dead;
+  EPX_CHECK(comm_enter_call(comm, handle, "epx_combine", &dead));
+  return comm_leave(comm, combine_body(comm, dead ? NULL : handle, dead, args));
+}
+
+static epx_status_t combine_body(epx_comm_t *comm, epx_handle_t *handle, bool dead, const epx_combine_args_t *args) {
   EPX_CHECK(check_comm(comm, "epx_combine"));
   const epx_part_t part = args ? args->part : EPX_PART_ALL;
   begin_call(comm, EPXI_OP_COMBINE, handle);
@@ -637,7 +889,7 @@ epx_status_t epx_combine(epx_comm_t *comm, epx_handle_t *handle, const epx_combi
   epx_status_t refused = part == EPX_PART_COMPLETE
                              ? EPX_CHECK_STRUCT(args, epx_combine_args_t, epx_combine_args_init, "epx_combine")
                              : EPX_SUCCESS;
-  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, false, "epx_combine");
+  if (refused == EPX_SUCCESS) refused = check_handle(comm, handle, dead, false, "epx_combine");
   if (refused == EPX_SUCCESS) refused = check_order(comm, handle, true, part, "epx_combine");
   if (refused != EPX_SUCCESS) return fail_collective(comm, handle, EPXI_OP_COMBINE, refused, REFUSED_HANDLE_OR_ORDER);
   if (part == EPX_PART_COMPLETE) /* reuses what its SEND was given */
@@ -665,6 +917,7 @@ static void *rank_main(void *p) {
 }
 
 epx_status_t epx_run_ranks(int nranks, epx_rank_fn fn, void *arg, epx_status_t *statuses) {
+  epxi_clear_error();
   if (!fn) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_run_ranks: fn is NULL");
   if (nranks < 1 || nranks > EPX_MAX_RANKS)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "nranks %d outside [1, %d]", nranks, EPX_MAX_RANKS);

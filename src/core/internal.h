@@ -2,7 +2,9 @@
 #ifndef EPX_INTERNAL_H
 #define EPX_INTERNAL_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "epx.h"
@@ -62,6 +64,11 @@ typedef struct {
   /* Optional (cross-process groups): the group's common page, and whether a peer is gone. */
   void *(*common)(epxi_group_t *group, size_t *bytes);
   bool (*peer_lost)(const epxi_group_t *group, int rank);
+  /* Any thread, never waits: break the group for good on behalf of `rank` (its waits and its
+   * peers' end with EPX_ERR_BROKEN); and what broke it so far, with a message (EPX_SUCCESS
+   * while whole; a dead peer counts even before a wait saw it). */
+  void (*abort)(epxi_group_t *group, int rank);
+  epx_status_t (*error)(const epxi_group_t *group, int rank, char *why, size_t size);
 } epxi_group_ops_t;
 
 /* The head of every implementation's group. */
@@ -88,13 +95,30 @@ epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_excha
                                    int timeout_ms, epxi_group_t **group);
 
 /* TCP bootstrap of epx_get_unique_id / epx_world_create_rank (bootstrap.c): a connection to
- * the id's listener whose epxi_bootstrap_exchange is an epxi_exchange_fn (ctx = the
- * connection). Only loopback addresses are ever contacted. */
+ * the id's listener, authenticated both ways by the id's secret (a challenge-response),
+ * whose epxi_bootstrap_exchange is an epxi_exchange_fn (ctx = the connection). Only
+ * loopback addresses are ever contacted. */
 typedef struct epxi_bootstrap epxi_bootstrap_t;
 epx_status_t epxi_bootstrap_connect(const epx_unique_id_t *id, int rank, int nranks, int timeout_ms,
                                     epxi_bootstrap_t **conn);
 epx_status_t epxi_bootstrap_exchange(const void *mine, void *all, size_t bytes, void *ctx);
 void epxi_bootstrap_close(epxi_bootstrap_t *conn);
+
+/* SHA-256 and HMAC-SHA256 (sha256.c), for the bootstrap's challenge-response; a comparison
+ * whose time does not depend on where the inputs differ. */
+#define EPXI_SHA256_BYTES 32
+typedef struct {
+  uint32_t h[8];
+  uint64_t bytes;
+  uint8_t buf[64];
+  size_t fill;
+} epxi_sha256_t;
+void epxi_sha256_init(epxi_sha256_t *s);
+void epxi_sha256_update(epxi_sha256_t *s, const void *data, size_t n);
+void epxi_sha256_final(epxi_sha256_t *s, uint8_t out[EPXI_SHA256_BYTES]);
+void epxi_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,
+                      uint8_t out[EPXI_SHA256_BYTES]);
+bool epxi_equal_ct(const void *a, const void *b, size_t n);
 
 /* The calls below dispatch through group->ops (group.c). */
 void epxi_group_destroy(epxi_group_t *group);
@@ -120,6 +144,9 @@ void *epxi_group_common(epxi_group_t *group, size_t *bytes);
 /* Whether rank r's process is gone or it left the group (cross-process; never in-process).
  * Does not wait. */
 bool epxi_group_peer_lost(const epxi_group_t *group, int rank);
+/* epx_comm_abort's and epx_comm_get_async_error's part of the group (see its ops). */
+void epxi_group_abort(epxi_group_t *group, int rank);
+epx_status_t epxi_group_error(const epxi_group_t *group, int rank, char *why, size_t size);
 
 /* ---- the stamp of a collective call (call.c) ------------------------------------------ */
 
@@ -181,7 +208,28 @@ static inline bool epxi_mul_i64(int64_t a, int64_t b, int64_t *out) { return !__
 
 typedef struct epxi_backend epxi_backend_t;
 
+/* Live objects (objects.c). Every public call looks its objects up in a registry before it
+ * reads them, so a destroyed pointer is refused, not dereferenced. A comm's calls also take
+ * the comm (one call at a time: EPX_ERR_BUSY for a second thread). */
+typedef enum { EPXI_OBJ_WORLD = 1, EPXI_OBJ_COMM, EPXI_OBJ_HANDLE } epxi_obj_kind_t;
+#define EPXI_MAGIC_WORLD 0x57505845u  /* "EXPW" */
+#define EPXI_MAGIC_COMM 0x43505845u   /* "EXPC" */
+#define EPXI_MAGIC_HANDLE 0x48505845u /* "EXPH" */
+#define EPXI_MAGIC_DEAD 0xdeadbeefu
+epx_status_t epxi_obj_register(void *obj, epxi_obj_kind_t kind);
+/* Whether obj is a live object of that kind (a NULL obj is not). */
+bool epxi_obj_live(const void *obj, epxi_obj_kind_t kind);
+/* Runs fn(obj, arg) with the registry locked when obj is live (its destroy waits meanwhile):
+ * returns fn's status, or EPX_ERR_INVALID_ARGUMENT naming `what`. fn must not wait. */
+epx_status_t epxi_obj_with(const void *obj, epxi_obj_kind_t kind, const char *what,
+                           epx_status_t (*fn)(void *obj, void *arg), void *arg);
+/* Unregisters a live object (its destroy, once nothing refuses it): the object's magic is
+ * poisoned. Returns false when obj was not live. */
+bool epxi_obj_unregister(void *obj, epxi_obj_kind_t kind);
+
 struct epx_world {
+  uint32_t magic;        /* EPXI_MAGIC_WORLD while live */
+  _Atomic int live_comms; /* its destroy is refused while > 0 */
   epx_backend_t backend;
   int nranks;            /* ranks of the whole group */
   int first_rank;        /* this process drives ranks [first_rank, first_rank + num_local): */
@@ -193,12 +241,15 @@ struct epx_world {
 };
 
 struct epx_comm {
+  uint32_t magic;        /* EPXI_MAGIC_COMM while live */
+  _Atomic int in_call;   /* a thread is inside a call on the comm (or its handles) */
+  _Atomic int live_handles; /* its destroy is refused while > 0 */
   epx_world_t *world;
   int rank, nranks;
   int num_local_experts; /* L */
   epx_config_t cfg;      /* after defaults */
   void *stream;
-  bool broken;
+  _Atomic bool broken;
   /* a SEND half whose COMPLETE has not come: nothing else may run on the comm until it does
    * (its exchange would pair with the peers' COMPLETE) */
   const struct epx_handle *pending;
@@ -218,6 +269,7 @@ typedef struct {
 } epxi_topk_t;
 
 struct epx_handle {
+  uint32_t magic;        /* EPXI_MAGIC_HANDLE while live */
   epx_comm_t *comm;
   uint64_t id;           /* its creation number on the comm (from 1): the same on every rank */
   epx_handle_config_t hc;
@@ -265,7 +317,23 @@ struct epxi_backend {
   /* Implements groups of several nodes (config.ranks_per_node < nranks): the node-aware
    * combine order and the handle's node traffic (core/nodes.c). */
   bool nodes;
+  /* epx_comm_abort and epx_comm_get_async_error (any thread, never wait); NULL: the backend
+   * has none, and the calls give EPX_ERR_UNSUPPORTED. The host backend's are the group's
+   * (epxi_comm_abort_group, epxi_comm_group_error); a GPU backend also ends its device waits
+   * and reports its device error word. */
+  epx_status_t (*comm_abort)(epx_comm_t *comm);
+  epx_status_t (*async_error)(epx_comm_t *comm, char *why, size_t size);
 };
+
+/* A call on one handle alone (api.c): takes the handle, refused unless it is live, and its
+ * comm, refused while another thread is in a call on it (EPX_ERR_BUSY); give ends the call
+ * with its status (no message on success). */
+epx_status_t epxi_handle_take(const epx_handle_t *handle, const char *what);
+epx_status_t epxi_handle_give(const epx_handle_t *handle, epx_status_t s);
+
+/* The group part of the two hooks above (api.c). */
+epx_status_t epxi_comm_abort_group(epx_comm_t *comm);
+epx_status_t epxi_comm_group_error(epx_comm_t *comm, char *why, size_t size);
 
 /* The top-k every backend takes: the CUDA kernels have been run up to this width. */
 #define EPXI_NARROW_TOPK 16

@@ -27,6 +27,7 @@ epx_status_t epxi_nodes_supported(const epxi_backend_t *ops, const epx_config_t 
 epx_status_t epx_handle_node_traffic(const epx_handle_t *handle, epx_node_traffic_t *traffic) {
   epxi_clear_error();
   if (!handle || !traffic) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_handle_node_traffic: handle and traffic are required");
+  EPX_CHECK(epxi_handle_take(handle, "epx_handle_node_traffic"));
   *traffic = handle->traffic;
-  return EPX_SUCCESS;
+  return epxi_handle_give(handle, EPX_SUCCESS);
 }

@@ -42,8 +42,10 @@ void epxi_count_layout(const epxi_topk_t *t, int nranks, int num_local, int32_t 
   }
 }
 
-/* The shape checks of the host conversions: [T, E] and [T, K] arrays must be addressable. */
+/* The shape checks of the host conversions: [T, E] and [T, K] arrays must be addressable. Every
+   conversion starts here, so the message is cleared on entry: a success after a failure leaves none. */
 static epx_status_t check_converter_shape(int64_t num_tokens, int num_experts, int topk) {
+  epxi_clear_error();
   if (num_tokens < 0 || num_tokens > EPX_MAX_TOKENS)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "num_tokens %lld outside [0, EPX_MAX_TOKENS = %lld]",
                      (long long)num_tokens, (long long)EPX_MAX_TOKENS);

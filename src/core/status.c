@@ -29,6 +29,7 @@ static const char *const status_strings[EPX_NUM_STATUS] = {
     [EPX_ERR_BROKEN] = "EPX_ERR_BROKEN: the comm is unusable after an earlier failure of the group",
     [EPX_ERR_INTERNAL] = "EPX_ERR_INTERNAL: internal error",
     [EPX_ERR_OUT_OF_STEP] = "EPX_ERR_OUT_OF_STEP: the ranks are in different collective calls",
+    [EPX_ERR_BUSY] = "EPX_ERR_BUSY: the object is in use (another thread's call, or live comms or handles)",
 };
 
 const char *epx_status_string(epx_status_t status) {

@@ -25,6 +25,13 @@ bool epxi_group_peer_lost(const epxi_group_t *g, int rank) {
   return g->ops->peer_lost && rank >= 0 && rank < g->nranks && g->ops->peer_lost(g, rank);
 }
 
+void epxi_group_abort(epxi_group_t *g, int rank) { g->ops->abort(g, rank); }
+
+epx_status_t epxi_group_error(const epxi_group_t *g, int rank, char *why, size_t size) {
+  why[0] = '\0';
+  return g->ops->error(g, rank, why, size);
+}
+
 epx_status_t epxi_group_barrier(epxi_group_t *g, int rank, const char *phase, int timeout_ms) {
   EPX_CHECK(check_rank(g, rank, phase));
   return g->ops->barrier(g, rank, phase, timeout_ms);

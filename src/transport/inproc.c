@@ -21,6 +21,7 @@ typedef struct {
   uint64_t reached[EPX_MAX_RANKS]; /* barriers each rank has entered */
   const void *slot[2][EPX_MAX_RANKS]; /* shared pointers, by barrier parity */
   bool broken;
+  epx_status_t broken_status;      /* what the waits cut short return: TIMEOUT, or BROKEN (abort) */
   char broken_why[256];
 } inproc_group_t;
 
@@ -106,11 +107,12 @@ static epx_status_t enter(inproc_group_t *g, int rank, const char *phase, int ti
       snprintf(g->broken_why, sizeof g->broken_why, "phase %s timed out after %d ms waiting for rank %s", phase,
                timeout_ms, missing);
       g->broken = true;
+      g->broken_status = EPX_ERR_TIMEOUT;
       pthread_cond_broadcast(&g->cv);
     }
   }
   epx_status_t s = EPX_SUCCESS;
-  if (g->gen == gen) s = epxi_fail(EPX_ERR_TIMEOUT, "rank %d: %s", rank, g->broken_why);
+  if (g->gen == gen) s = epxi_fail(g->broken_status, "rank %d: %s", rank, g->broken_why);
   pthread_mutex_unlock(&g->mu);
   return s;
 }
@@ -132,7 +134,32 @@ static epx_status_t inproc_share(epxi_group_t *base, int rank, const char *phase
   return EPX_SUCCESS;
 }
 
+/* Holds the mutex only as long as the waiters do between their checks: never waits. */
+static void inproc_abort(epxi_group_t *base, int rank) {
+  inproc_group_t *g = (inproc_group_t *)base;
+  pthread_mutex_lock(&g->mu);
+  if (!g->broken) {
+    g->broken = true;
+    g->broken_status = EPX_ERR_BROKEN;
+    snprintf(g->broken_why, sizeof g->broken_why, "ABORTED: rank %d aborted the comm (epx_comm_abort)", rank);
+    pthread_cond_broadcast(&g->cv);
+  }
+  pthread_mutex_unlock(&g->mu);
+}
+
+static epx_status_t inproc_error(const epxi_group_t *base, int rank, char *why, size_t size) {
+  inproc_group_t *g = (inproc_group_t *)base;
+  (void)rank;
+  pthread_mutex_lock(&g->mu);
+  epx_status_t s = g->broken ? g->broken_status : EPX_SUCCESS;
+  if (g->broken) snprintf(why, size, "%s", g->broken_why);
+  pthread_mutex_unlock(&g->mu);
+  return s;
+}
+
 static const epxi_group_ops_t inproc_ops = {
+    .abort = inproc_abort,
+    .error = inproc_error,
     .name = "in-process",
     .destroy = inproc_destroy,
     .barrier = inproc_barrier,

@@ -70,6 +70,7 @@ typedef struct {
   _Atomic uint32_t waiters;  /* peers sleeping on `reached` */
   _Atomic uint32_t state;    /* STATE_* */
   _Atomic uint32_t broken_gen; /* the barrier it gave up on (written before state) */
+  _Atomic uint32_t claim;    /* 1 once a thread is writing status, why and broken_gen (written once) */
   int32_t status;            /* why it broke: an epx_status_t ... */
   char why[512];             /* ... and the message (written before state) */
   struct {
@@ -92,6 +93,9 @@ typedef struct {
   int fd[EPX_MAX_RANKS];      /* every rank's file (own included) */
   int sock[EPX_MAX_RANKS];    /* connection to each peer, -1 for self */
   pid_t pid[EPX_MAX_RANKS];   /* as this process sees it; 0 = unknown (other pid namespace) */
+  int pidfd[EPX_MAX_RANKS];   /* readable once the peer's process exits (-1: kernel without pidfd) */
+  unsigned long long start[EPX_MAX_RANKS]; /* the peer's start time (/proc), against pid reuse */
+  _Atomic int abort_req;      /* epx_comm_abort, from any thread: the owner's waits end */
   shm_header_t *hdr[EPX_MAX_RANKS];
   mapping_t map[EPX_MAX_RANKS][SLOTS]; /* own slots read-write, peers' read-only */
   off_t file_bytes;           /* size of the own file */
@@ -99,7 +103,7 @@ typedef struct {
   uint32_t gen;               /* barriers this rank entered */
   uint32_t waiting;           /* the barrier this rank is waiting on, 0 outside arrive_and_wait */
   int next_slot;              /* shares since the last plain barrier */
-  bool broken;
+  bool broken;                /* the owner thread's: why holds the reason */
   char why[512];
 } shm_group_t;
 
@@ -163,6 +167,20 @@ static int anon_shared_file(int rank) {
 
 /* ---- failure ------------------------------------------------------------------------- */
 
+/* Publishes why this rank broke to the peers, and on which barrier (`gen`), once: the owner's
+ * thread and an aborting one may race, the first claim wins. The owner leaves
+ * STATE_GIVING_UP only by compare-and-swap (give_up_or_not), so it never hides this. */
+static void publish(shm_header_t *me, epx_status_t status, const char *why, uint32_t gen) {
+  if (!me) return;
+  uint32_t st = atomic_load(&me->state);
+  if ((st != STATE_OK && st != STATE_GIVING_UP) || atomic_exchange(&me->claim, 1)) return;
+  me->status = status;
+  snprintf(me->why, sizeof me->why, "%s", why);
+  atomic_store(&me->broken_gen, gen);
+  atomic_store(&me->state, STATE_BROKEN);
+  futex_wake(&me->reached);
+}
+
 /* Breaks the group for good, publishes why to the peers and records the message. */
 static epx_status_t break_group(shm_group_t *g, epx_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -173,16 +191,8 @@ static epx_status_t break_group(shm_group_t *g, epx_status_t status, const char 
   va_end(ap);
   if (!g->broken) {
     g->broken = true;
-    shm_header_t *me = g->hdr[g->rank];
-    uint32_t st = me ? atomic_load(&me->state) : STATE_LEFT;
-    if (st == STATE_OK || st == STATE_GIVING_UP) {
-      me->status = status;
-      memcpy(me->why, g->why, sizeof me->why);
-      /* outside a wait it will never enter the next barrier */
-      atomic_store(&me->broken_gen, g->waiting ? g->waiting : g->gen + 1);
-      atomic_store(&me->state, STATE_BROKEN);
-      futex_wake(&me->reached);
-    }
+    /* outside a wait it will never enter the next barrier */
+    publish(g->hdr[g->rank], status, g->why, g->waiting ? g->waiting : g->gen + 1);
   }
   return epxi_fail(status, "%s", g->why);
 }
@@ -190,13 +200,58 @@ static epx_status_t break_group(shm_group_t *g, epx_status_t status, const char 
 /* Whether peer r's process is gone: its end of our connection hung up, or its pid is no
  * more. (A zombie still has a pid, but its sockets are closed; a child that inherited the
  * sockets keeps them open, but the pid is gone.) */
+/* The start time (field 22 of /proc/<pid>/stat) and state of a process: 0 when it has none
+ * (gone), and *zombie when it exited but is not reaped yet. */
+static unsigned long long proc_start(pid_t pid, bool *zombie) {
+  char path[64], buf[1024];
+  *zombie = false;
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+  if (!p || p[1] != ' ') return 0;
+  *zombie = p[2] == 'Z' || p[2] == 'X';
+  p += 2;
+  for (int field = 3; field < 22 && p; field++) { /* p is at field 3 (state) */
+    p = strchr(p, ' ');
+    if (p) p++;
+  }
+  return p ? strtoull(p, NULL, 10) : 0;
+}
+
+/* Whether peer r's process is gone. Its end of our connection hanging up says so at once;
+ * but a forked child may hold the peer's sockets open after the peer died, so the process
+ * itself is watched too: its pidfd (readable once it exited, zombie or not), or where the
+ * kernel has none, its /proc entry (gone, a zombie, or another process's start time). */
 static bool peer_gone(const shm_group_t *g, int r) {
   if (g->sock[r] >= 0) {
     struct pollfd p = {.fd = g->sock[r], .events = POLLIN | POLLRDHUP};
     if (poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLRDHUP | POLLERR | POLLNVAL))) return true;
   }
-  if (g->pid[r] > 0 && kill(g->pid[r], 0) != 0 && errno == ESRCH) return true;
-  return false;
+  if (g->pidfd[r] >= 0) {
+    struct pollfd p = {.fd = g->pidfd[r], .events = POLLIN};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR));
+  }
+  if (g->pid[r] <= 0) return false;
+  if (kill(g->pid[r], 0) != 0 && errno == ESRCH) return true;
+  bool zombie;
+  unsigned long long st = proc_start(g->pid[r], &zombie);
+  return zombie || (g->start[r] && st != g->start[r]);
+}
+
+/* Starts watching peer r's process (pid as this process sees it). */
+static void watch_peer(shm_group_t *g, int r, pid_t pid) {
+  g->pid[r] = pid;
+  if (pid <= 0) return;
+#ifdef SYS_pidfd_open
+  g->pidfd[r] = (int)syscall(SYS_pidfd_open, pid, 0);
+#endif
+  bool zombie;
+  g->start[r] = proc_start(pid, &zombie);
 }
 
 /* Lists ranks in a message: "2, 5 and 3 more". */
@@ -212,11 +267,12 @@ static void list_ranks(const int *ranks, int n, char *buf, size_t size) {
 
 /* Enters barrier g->gen + 1 (after the caller filled any slot) and waits for every peer. */
 /* Peer r's verdict on barrier `target`, which it has entered: 1 it gave up on it, -1 it is
- * still deciding, 0 neither. */
+ * still deciding, 0 neither. A rank that broke on an earlier barrier and still entered this
+ * one was aborted from another thread while it entered: that gives up on this one too. */
 static int peer_verdict(const shm_group_t *g, int r, uint32_t target) {
   uint32_t st = atomic_load(&g->hdr[r]->state);
   if (st != STATE_BROKEN && st != STATE_GIVING_UP) return 0;
-  if (atomic_load(&g->hdr[r]->broken_gen) != target) return 0;
+  if (!reached(target, atomic_load(&g->hdr[r]->broken_gen))) return 0; /* it broke on a later one */
   return st == STATE_BROKEN ? 1 : -1;
 }
 
@@ -225,12 +281,14 @@ static int peer_verdict(const shm_group_t *g, int r, uint32_t target) {
  * sees this rank giving up). True when they all arrived after all. */
 static bool give_up_or_not(shm_group_t *g, uint32_t target, const int *late, int nlate) {
   shm_header_t *mine = g->hdr[g->rank];
+  /* compare-and-swap both ways: an abort from another thread may publish STATE_BROKEN meanwhile */
+  uint32_t ok = STATE_OK, giving_up = STATE_GIVING_UP;
+  if (atomic_load(&mine->claim)) return false;
   atomic_store(&mine->broken_gen, target);
-  atomic_store(&mine->state, STATE_GIVING_UP);
+  if (!atomic_compare_exchange_strong(&mine->state, &ok, STATE_GIVING_UP)) return false;
   for (int i = 0; i < nlate; i++)
     if (!reached(atomic_load(&g->hdr[late[i]]->reached), target)) return false;
-  atomic_store(&mine->state, STATE_OK);
-  return true;
+  return atomic_compare_exchange_strong(&mine->state, &giving_up, STATE_OK);
 }
 
 static epx_status_t arrive_and_wait_on(shm_group_t *g, const char *phase, int timeout_ms, uint32_t target);
@@ -241,7 +299,7 @@ static epx_status_t peer_gave_up(shm_group_t *g, int r, const char *phase) {
   memcpy(why, g->hdr[r]->why, sizeof why);
   why[sizeof why - 1] = '\0';
   epx_status_t s = g->hdr[r]->status;
-  if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST) s = EPX_ERR_PEER_LOST;
+  if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST && s != EPX_ERR_BROKEN) s = EPX_ERR_PEER_LOST;
   return break_group(g, s, "rank %d, phase %s: rank %d gave up (%s)", g->rank, phase, r, why);
 }
 
@@ -261,6 +319,9 @@ static epx_status_t arrive_and_wait_on(shm_group_t *g, const char *phase, int ti
 
   const int64_t start = now_ns(), deadline = start + (int64_t)timeout_ms * 1000000LL;
   for (int round = 0;; round++) {
+    if (atomic_load_explicit(&g->abort_req, memory_order_acquire))
+      return break_group(g, EPX_ERR_BROKEN, "ABORTED: rank %d, phase %s: this rank aborted the comm (epx_comm_abort)",
+                         me, phase);
     int missing = -1;
     uint32_t seen = 0;
     for (int r = 0; r < R && missing < 0; r++) {
@@ -325,6 +386,7 @@ static epx_status_t arrive_and_wait_on(shm_group_t *g, const char *phase, int ti
     if (now >= deadline) {
       if (nlate == 0) continue; /* everyone arrived meanwhile */
       if (give_up_or_not(g, target, late, nlate)) continue;
+      if (atomic_load(&g->abort_req)) continue; /* an abort came meanwhile: the loop's first check says so */
       char list[160];
       list_ranks(late, nlate, list, sizeof list);
       return break_group(g, EPX_ERR_TIMEOUT, "rank %d, phase %s timed out after %d ms waiting for rank %s", me, phase,
@@ -342,6 +404,9 @@ static epx_status_t arrive_and_wait_on(shm_group_t *g, const char *phase, int ti
 static epx_status_t check_usable(shm_group_t *g, int rank, const char *phase) {
   if (rank != g->rank)
     return epxi_fail(EPX_ERR_INTERNAL, "phase %s: rank %d called the group of rank %d", phase, rank, g->rank);
+  if (!g->broken && atomic_load(&g->abort_req))
+    return break_group(g, EPX_ERR_BROKEN, "ABORTED: rank %d, phase %s: this rank aborted the comm (epx_comm_abort)",
+                       rank, phase);
   if (g->broken)
     return epxi_fail(EPX_ERR_BROKEN, "rank %d, phase %s: the group broke earlier (%s)", rank, phase, g->why);
   return EPX_SUCCESS;
@@ -425,7 +490,55 @@ static epx_status_t shm_share(epxi_group_t *base, int rank, const char *phase, i
   return EPX_SUCCESS;
 }
 
-static bool shm_broken(const epxi_group_t *base) { return ((const shm_group_t *)base)->broken; }
+static bool shm_broken(const epxi_group_t *base) {
+  const shm_group_t *g = (const shm_group_t *)base;
+  return g->broken || atomic_load(&((shm_group_t *)g)->abort_req);
+}
+
+/* Any thread: the waits of the owner end at their next check (milliseconds), the peers'
+ * once they read this rank's published state. */
+static void shm_abort(epxi_group_t *base, int rank) {
+  shm_group_t *g = (shm_group_t *)base;
+  if (atomic_exchange(&g->abort_req, 1)) return;
+  char why[128];
+  snprintf(why, sizeof why, "ABORTED: rank %d aborted the comm (epx_comm_abort)", rank);
+  /* the barrier the owner entered last: the one it waits on, if it waits (peer_verdict) */
+  shm_header_t *me = g->hdr[g->rank];
+  publish(me, EPX_ERR_BROKEN, why, me ? atomic_load(&me->reached) : 0);
+}
+
+/* Any thread, never waits: reads only what is published (headers) or fixed (sockets, pids). */
+static epx_status_t shm_error(const epxi_group_t *base, int rank, char *why, size_t size) {
+  shm_group_t *g = (shm_group_t *)base;
+  const int R = g->base.nranks;
+  const shm_header_t *mine = g->hdr[rank];
+  if (mine && atomic_load_explicit(&((shm_header_t *)mine)->state, memory_order_acquire) == STATE_BROKEN) {
+    snprintf(why, size, "%.*s", (int)sizeof mine->why, mine->why);
+    return mine->status;
+  }
+  /* a dead process first: it is the cause, the peers that gave up or left are its effects */
+  for (int r = 0; r < R; r++)
+    if (r != rank && g->hdr[r] && atomic_load(&g->hdr[r]->state) != STATE_LEFT && peer_gone(g, r)) {
+      snprintf(why, size, "peer rank %d lost: its process (pid %d) exited", r, (int)g->pid[r]);
+      return EPX_ERR_PEER_LOST;
+    }
+  for (int r = 0; r < R; r++) {
+    const shm_header_t *h = g->hdr[r];
+    if (!h || r == rank) continue;
+    uint32_t st = atomic_load_explicit(&((shm_header_t *)h)->state, memory_order_acquire);
+    if (st == STATE_BROKEN) {
+      epx_status_t s = h->status;
+      if (s != EPX_ERR_TIMEOUT && s != EPX_ERR_PEER_LOST && s != EPX_ERR_BROKEN) s = EPX_ERR_PEER_LOST;
+      snprintf(why, size, "a peer gave up: %.*s", (int)sizeof h->why, h->why);
+      return s;
+    }
+    if (st == STATE_LEFT) {
+      snprintf(why, size, "rank %d left the group (it destroyed its world)", r);
+      return EPX_ERR_PEER_LOST;
+    }
+  }
+  return EPX_SUCCESS;
+}
 
 static void *shm_common(epxi_group_t *base, size_t *bytes) {
   shm_group_t *g = (shm_group_t *)base;
@@ -463,6 +576,7 @@ static void shm_destroy(epxi_group_t *base) {
     if (g->hdr[r]) munmap(g->hdr[r], HDR_BYTES);
     if (g->fd[r] >= 0) close(g->fd[r]);
     if (g->sock[r] >= 0) close(g->sock[r]);
+    if (g->pidfd[r] >= 0) close(g->pidfd[r]);
   }
   free(g);
 }
@@ -475,6 +589,8 @@ static const epxi_group_ops_t shm_ops = {
     .broken = shm_broken,
     .common = shm_common,
     .peer_lost = shm_peer_lost,
+    .abort = shm_abort,
+    .error = shm_error,
 };
 
 /* ---- creation -------------------------------------------------------------------------- */
@@ -594,6 +710,22 @@ static pid_t peer_pid(int sock) {
   return cred.pid;
 }
 
+/* Whether the process at the other end of a unix socket is rank r as the exchange
+ * described it: this process's user, and rank r's pid (the kernel's word, not the peer's). */
+static bool cred_is_rank(int sock, const shm_info_t *info) {
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+  return cred.uid == getuid() && cred.pid == (pid_t)info->pid;
+}
+
+/* Whether the process at the other end may be one of the lower ranks still expected. */
+static bool cred_is_lower_rank(const shm_group_t *g, int sock, const shm_info_t *infos) {
+  for (int j = 0; j < g->rank; j++)
+    if (g->sock[j] < 0 && cred_is_rank(sock, &infos[j])) return true;
+  return false;
+}
+
 /* The file and socket exchange: rank i connects to every j > i, accepts every j < i; on each
  * connection both send a hello with their file. Nobody waits on a send, so there is no
  * cycle: connects queue in the listener's backlog. */
@@ -622,6 +754,10 @@ static epx_status_t exchange_files(shm_group_t *g, int listener, const shm_info_
       return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: could not connect to rank %d (pid %d): %s", me, j,
                        (int)infos[j].pid, strerror(errno));
     }
+    if (!cred_is_rank(s, &infos[j]))
+      return epxi_fail(EPX_ERR_SYSTEM,
+                       "rank %d, bootstrap: the unix socket of rank %d is held by a process other than rank %d's "
+                       "(pid %d, user %u)", me, j, j, (int)infos[j].pid, (unsigned)infos[j].uid);
     hello_t h = {.tag = SHM_TAG, .from = me, .to = j, .nonce = infos[j].nonce};
     if (send_hello(s, &h, g->fd[me], deadline) != 0)
       return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: could not send the shared segment to rank %d: %s", me, j,
@@ -642,6 +778,10 @@ static epx_status_t exchange_files(shm_group_t *g, int listener, const shm_info_
     }
     int s = accept4(listener, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (s < 0) continue;
+    if (!cred_is_lower_rank(g, s, infos)) { /* a stranger (its name is in /proc/net/unix): dropped unheard */
+      close(s);
+      continue;
+    }
     hello_t h;
     int fd;
     int rc = recv_hello(s, &h, &fd, deadline);
@@ -676,7 +816,9 @@ static epx_status_t exchange_files(shm_group_t *g, int listener, const shm_info_
   }
 
   /* Liveness: the pid as this process sees it (0 when the peer is in another pid namespace). */
-  for (int j = 0; j < R; j++) g->pid[j] = j == me ? getpid() : peer_pid(g->sock[j]);
+  for (int j = 0; j < R; j++)
+    if (j != me) watch_peer(g, j, peer_pid(g->sock[j]));
+  g->pid[me] = getpid();
   return EPX_SUCCESS;
 }
 
@@ -702,6 +844,10 @@ static epx_status_t check_infos(const shm_info_t *infos, int R, int me) {
                        "allgather is not rank-major)", r, i->rank);
   }
   for (int r = 1; r < R; r++) {
+    if (infos[r].uid != infos[0].uid)
+      return epxi_fail(EPX_ERR_UNSUPPORTED,
+                       "bootstrap: rank 0 runs as user %u but rank %d as user %u; a cross-process group needs every "
+                       "rank to run as one user", (unsigned)infos[0].uid, r, (unsigned)infos[r].uid);
     if (infos[r].backend != infos[0].backend)
       return epxi_fail(EPX_ERR_CONFIG_MISMATCH, "bootstrap: rank 0 uses the %s backend but rank %d uses %s",
                        epx_backend_name((epx_backend_t)infos[0].backend), r,
@@ -721,7 +867,7 @@ epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_excha
   if (!g) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cross-process group");
   g->base = (epxi_group_t){.ops = &shm_ops, .nranks = nranks, .first_rank = rank, .num_local = 1};
   g->rank = rank;
-  for (int r = 0; r < EPX_MAX_RANKS; r++) g->fd[r] = g->sock[r] = -1;
+  for (int r = 0; r < EPX_MAX_RANKS; r++) g->fd[r] = g->sock[r] = g->pidfd[r] = -1;
 
   epx_status_t s = EPX_SUCCESS;
   int listener = -1;

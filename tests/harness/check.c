@@ -112,6 +112,11 @@ double tu_now(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+void tu_sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
 void tu_begin(const char *name) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   test_name = name;

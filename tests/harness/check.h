@@ -68,6 +68,7 @@ int tu_end(void);
 /* In a process forked by the test: its label for failure messages, its own failure count. */
 void tu_enter_process(const char *label);
 double tu_now(void); /* monotonic seconds */
+void tu_sleep_ms(long ms);
 
 /* ---- messages ------------------------------------------------------------------------- */
 int tu_contains(const char *msg, const char *word); /* word in msg, any case */

@@ -231,11 +231,11 @@ static void launch_wait(launch_t *L) {
       struct timespec ts = {0, 2000000L};
       nanosleep(&ts, NULL);
     }
-    int st;
-    pid_t w;
-    while ((w = waitpid(-1, &st, WNOHANG)) > 0)
-      for (int i = 0; i < n; i++)
-        if (L->pid[i] == w) L->done[i] = 1, L->wstatus[i] = st, left--;
+    for (int i = 0; i < n; i++) { /* by pid: a process to be reaped late stays a zombie meanwhile */
+      int st;
+      if (L->done[i] || (l->reap_after_s[i] > 0 && tu_now() - start < l->reap_after_s[i])) continue;
+      if (waitpid(L->pid[i], &st, WNOHANG) == L->pid[i]) L->done[i] = 1, L->wstatus[i] = st, left--;
+    }
     if (left > 0 && !killed && tu_now() > deadline) {
       for (int i = 0; i < n; i++)
         if (!L->done[i]) {
@@ -341,4 +341,19 @@ int mp_shm_new(const char *before, char *out, size_t size) {
     line = nl + 1;
   }
   return n;
+}
+
+/* ---- a comm ------------------------------------------------------------------------------- */
+
+int mp_comm_open(epx_world_t *world, int rank, const tu_moe_t *m, int max_tokens, int timeout_ms, const char *tag,
+                 epx_comm_t **comm, epx_handle_t **h) {
+  epx_config_t cfg;
+  epx_config_init(&cfg);
+  cfg.num_experts = m->E, cfg.hidden = m->H, cfg.topk = m->K, cfg.max_tokens_per_rank = max_tokens;
+  cfg.timeout_ms = timeout_ms;
+  epx_handle_config_t hc;
+  epx_handle_config_init(&hc);
+  *comm = NULL, *h = NULL;
+  return CHECK_STATUS(epx_comm_init(world, rank, &cfg, comm), EPX_SUCCESS, "%s comm", tag) &&
+         CHECK_STATUS(epx_handle_create(*comm, &hc, h), EPX_SUCCESS, "%s handle", tag);
 }

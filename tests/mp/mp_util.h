@@ -46,6 +46,9 @@ typedef struct {
   double limit_s;                /* watchdog: kill every process still running then */
   int expect_signal[MP_MAX_PROCS]; /* 0: the process must exit(0); else it must die of this signal */
   double kill_after_s[MP_MAX_PROCS]; /* > 0: the parent SIGKILLs the process this long after the launch */
+  double reap_after_s[MP_MAX_PROCS]; /* > 0: a process that ends earlier stays a zombie (unreaped)
+                                        until this long after the launch, as under a launcher
+                                        that reaps late */
 } mp_launch_t;
 
 /* Runs fn in nprocs processes; CHECKs how each ended (failures name the caller's line).
@@ -66,5 +69,11 @@ int mp_count_epx_maps(void);
  * many. mp_shm_new counts (and lists into out) those not in an earlier list `before`. */
 int mp_shm_list(char *names, size_t size);
 int mp_shm_new(const char *before, char *out, size_t size);
+
+/* ---- a comm ------------------------------------------------------------------------------- */
+/* A comm of m's shape (max_tokens_per_rank, timeout_ms: 0 for the default) and a default
+ * handle on it, each CHECKed (named by tag); returns whether both were made. */
+int mp_comm_open(epx_world_t *world, int rank, const tu_moe_t *m, int max_tokens, int timeout_ms, const char *tag,
+                 epx_comm_t **comm, epx_handle_t **h);
 
 #endif

