@@ -167,7 +167,6 @@ void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st) {
   if (e->status == (int32_t)status && e->peer == c->rank) e->status = 0;
 }
 
-
 /* ---- the watchdog's calls: any thread, never waiting ------------------------------------- */
 
 /* Fields first, then the status, as the kernels read them (see mark_lost_peers). */

@@ -56,8 +56,9 @@ static void *watchdog(void *arg) {
 /* After the watchdog's abort: what epx_comm_get_async_error says on this rank's comm. */
 static void async_after(fault_t *f, int r, epx_comm_t *comm) {
   while (!atomic_load(&f->watch_done)) tu_sleep_ms(1);
-  f->after[r] = EPX_SUCCESS;
-  if (epx_comm_get_async_error(comm, &f->after[r]) != f->after[r]) f->after[r] = EPX_ERR_INTERNAL;
+  epx_status_t found = EPX_SUCCESS;
+  const epx_status_t ret = epx_comm_get_async_error(comm, &found);
+  f->after[r] = ret == found ? found : EPX_ERR_INTERNAL; /* it returns what it stores */
   snprintf(f->after_msg[r], sizeof f->after_msg[r], "%s", epx_last_error());
 }
 
