@@ -186,10 +186,10 @@ static void write_abort(volatile epxc_error_t *e, int rank) {
  * finds the cause. No CUDA call: another thread may be inside wait_stream on this comm. */
 epx_status_t cuda_comm_abort(epx_comm_t *c) {
   EPX_CHECK(epxi_comm_abort_group(c));
-  cuda_world_t *cw = c->world->impl;
-  if (!fatal_status(cw->errors_host[c->rank].status)) write_abort(&cw->errors_host[c->rank], c->rank);
+  volatile epxc_error_t *words = ((cuda_world_t *)c->world->impl)->errors_host;
+  if (!fatal_status(words[c->rank].status)) write_abort(&words[c->rank], c->rank);
   for (int r = 0; r < c->nranks; r++)
-    if (r != c->rank && !fatal_status(cw->errors_host[r].status)) write_abort(&cw->errors_host[r], c->rank);
+    if (r != c->rank && !fatal_status(words[r].status)) write_abort(&words[r], c->rank);
   return EPX_SUCCESS;
 }
 
@@ -203,8 +203,8 @@ static const char *without_rank(const char *msg, int rank) {
 /* This rank's fatal device record (report() only reads one: it clears recoverable ones
  * alone), else the group's failure or lost peer. No stream wait, no comm lock. */
 epx_status_t cuda_async_error(epx_comm_t *c, char *why, size_t size) {
-  const cuda_world_t *cw = c->world->impl;
-  if (fatal_status(cw->errors_host[c->rank].status)) {
+  const volatile epxc_error_t *mine = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
+  if (fatal_status(mine->status)) {
     const epx_status_t s = report(c, false);
     if (s != EPX_SUCCESS) {
       snprintf(why, size, "%s", without_rank(epx_last_error(), c->rank));
