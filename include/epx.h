@@ -273,14 +273,16 @@ EPX_API epx_status_t epx_comm_synchronize(epx_comm_t *comm);
  * ends within milliseconds with EPX_ERR_BROKEN and a message that says which rank aborted;
  * every later collective on the group fails fast with EPX_ERR_BROKEN. Outputs of the calls
  * it cuts short are undefined (the sentinel rule does not hold for them). Aborting twice is
- * harmless. Then destroy the comms and the world and make them again. The CUDA backend does
- * not implement it yet: EPX_ERR_UNSUPPORTED, and nothing changes.
+ * harmless. Then destroy the comms and the world and make them again. On the CUDA backend it
+ * makes no CUDA call: it records the abort in the error words the kernels poll, so their
+ * waits end too.
  *
  * epx_comm_get_async_error stores in *status what broke the comm or its group so far
  * (EPX_ERR_TIMEOUT, EPX_ERR_PEER_LOST, EPX_ERR_BROKEN after an abort; a peer process found
  * dead counts even if no wait has seen it yet), or EPX_SUCCESS, and returns the same status
  * with its message in epx_last_error(). A comm that is not live gives
- * EPX_ERR_INVALID_ARGUMENT and *status is left alone. CUDA: EPX_ERR_UNSUPPORTED for now. */
+ * EPX_ERR_INVALID_ARGUMENT and *status is left alone. CUDA: what this rank's kernels
+ * recorded (no stream wait), then the group's state. */
 EPX_API epx_status_t epx_comm_abort(epx_comm_t *comm);
 EPX_API epx_status_t epx_comm_get_async_error(epx_comm_t *comm, epx_status_t *status);
 

@@ -221,6 +221,12 @@ epx_status_t report(epx_comm_t *c, bool all);
 void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st);
 epx_status_t cuda_poll(epx_comm_t *c);
 epx_status_t cuda_synchronize(epx_comm_t *c);
+/* epx_comm_abort and epx_comm_get_async_error (any thread, never waiting). */
+epx_status_t cuda_comm_abort(epx_comm_t *c);
+epx_status_t cuda_async_error(epx_comm_t *c, char *why, size_t size);
+/* The phase of the record epx_comm_abort writes in every rank's error word (host-written
+ * only: a lost peer's record has phase -1, the kernels' are epxc_phase_t). */
+#define EPXC_PHASE_ABORTED (-2)
 
 /* ---- world and comm (world.c) ------------------------------------------------------------ */
 

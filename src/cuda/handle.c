@@ -229,8 +229,6 @@ const epxi_backend_t epxi_cuda_backend = {
     .poll = cuda_poll,
     .synchronize = cuda_synchronize,
     .abort = cuda_abort,
-    /* no watchdog hooks yet: epx_comm_abort and epx_comm_get_async_error give
-     * EPX_ERR_UNSUPPORTED (their device waits would need to end too) */
-    .comm_abort = NULL,
-    .async_error = NULL,
+    .comm_abort = cuda_comm_abort,
+    .async_error = cuda_async_error,
 };

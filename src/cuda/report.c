@@ -1,6 +1,7 @@
 /* Waiting and reporting: a rank's stream waited for (across processes while watching for lost
  * peers), and the error words the kernels record turned into a status and a message. */
 #include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -63,6 +64,11 @@ cudaError_t wait_stream(const epx_comm_t *c, cudaStream_t st) {
 
 static const char *phase_name(int phase) { return phase >= 0 && phase < EPXC_PH_COUNT ? phase_names[phase] : "?"; }
 
+/* The record epx_comm_abort leaves in every rank's word (see cuda_comm_abort). */
+static bool abort_record(const volatile epxc_error_t *e) {
+  return e->status == EPX_ERR_BROKEN && e->phase == EPXC_PHASE_ABORTED;
+}
+
 /* Two stamp words (call; handle, operation) as the exchange carried them. */
 static epxi_stamp_t stamp_from(uint64_t call, uint64_t word1) {
   epxi_stamp_t s;
@@ -116,7 +122,12 @@ epx_status_t report(epx_comm_t *c, bool all) {
     root = pe->peer;
   }
   epx_status_t s;
-  if (fatal && cw->shared && root != c->rank && epxi_group_peer_lost(c->world->group, root))
+  if (fatal && root >= 0 && root < c->nranks && abort_record(&cw->errors_host[root]) && root == c->rank)
+    s = epxi_fail(EPX_ERR_BROKEN, "ABORTED: rank %d aborted the comm (epx_comm_abort)", root);
+  else if (fatal && root >= 0 && root < c->nranks && abort_record(&cw->errors_host[root]))
+    s = epxi_fail(EPX_ERR_BROKEN, "ABORTED: rank %d aborted the comm (epx_comm_abort); rank %d's %s stopped", root,
+                  c->rank, phase == EPXC_PHASE_ABORTED ? "call" : ph);
+  else if (fatal && cw->shared && root != c->rank && epxi_group_peer_lost(c->world->group, root))
     s = epxi_fail(EPX_ERR_PEER_LOST, "rank %d: %s stopped: rank %d's process is gone (it died or left the group)",
                   c->rank, ph, root);
   else if (status == EPX_ERR_OUT_OF_STEP || (status == EPX_ERR_CONFIG_MISMATCH && e->about[0]))
@@ -156,3 +167,49 @@ void forget_own_report(epx_comm_t *c, epx_status_t status, cudaStream_t st) {
   if (e->status == (int32_t)status && e->peer == c->rank) e->status = 0;
 }
 
+/* ---- the watchdog's calls: any thread, never waiting ------------------------------------- */
+
+/* Fields first, then the status, as the kernels read them (see mark_lost_peers). */
+static void write_abort(volatile epxc_error_t *e, int rank) {
+  e->phase = EPXC_PHASE_ABORTED;
+  e->peer = rank;
+  e->detail = EPX_ERR_BROKEN;
+  for (int i = 0; i < 4; i++) e->about[i] = 0;
+  atomic_thread_fence(memory_order_seq_cst);
+  e->status = EPX_ERR_BROKEN;
+}
+
+/* Ends the group's host waits, then records the abort in every rank's error word that holds
+ * no fatal record yet: a device wait polls only the word of the rank it waits for, so every
+ * word must say it for every wait on every rank to end (across processes the words are the
+ * group's shared page). This rank's first, so that a report that follows any other word
+ * finds the cause. No CUDA call: another thread may be inside wait_stream on this comm. */
+epx_status_t cuda_comm_abort(epx_comm_t *c) {
+  EPX_CHECK(epxi_comm_abort_group(c));
+  volatile epxc_error_t *words = ((cuda_world_t *)c->world->impl)->errors_host;
+  if (!fatal_status(words[c->rank].status)) write_abort(&words[c->rank], c->rank);
+  for (int r = 0; r < c->nranks; r++)
+    if (r != c->rank && !fatal_status(words[r].status)) write_abort(&words[r], c->rank);
+  return EPX_SUCCESS;
+}
+
+/* report()'s message without its leading "rank r: " (the caller adds it). */
+static const char *without_rank(const char *msg, int rank) {
+  char prefix[32];
+  const int n = snprintf(prefix, sizeof prefix, "rank %d: ", rank);
+  return strncmp(msg, prefix, (size_t)n) == 0 ? msg + n : msg;
+}
+
+/* This rank's fatal device record (report() only reads one: it clears recoverable ones
+ * alone), else the group's failure or lost peer. No stream wait, no comm lock. */
+epx_status_t cuda_async_error(epx_comm_t *c, char *why, size_t size) {
+  const volatile epxc_error_t *mine = &((cuda_world_t *)c->world->impl)->errors_host[c->rank];
+  if (fatal_status(mine->status)) {
+    const epx_status_t s = report(c, false);
+    if (s != EPX_SUCCESS) {
+      snprintf(why, size, "%s", without_rank(epx_last_error(), c->rank));
+      return s;
+    }
+  }
+  return epxi_comm_group_error(c, why, size);
+}

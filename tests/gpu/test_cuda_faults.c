@@ -3,6 +3,8 @@
  * id, too many tokens in low-latency mode, ranks whose calls do not pair (settings that
  * differ, different operations), an SM budget the GPU cannot hold. */
 #include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +26,41 @@ typedef struct {
   char msg[8][256];
   double secs[8];
   int poison_ok[8];
+  /* the watchdog: once every rank but `absent` is inside its call, it waits 200 ms and
+   * aborts abort_rank's comm (-1: no watchdog) */
+  int abort_rank;
+  _Atomic(epx_comm_t *) comms[8];
+  atomic_int entered, watch_done;
+  epx_status_t before_ret, before, abort_st[2]; /* async error before; both aborts */
+  epx_status_t after[8];                        /* every rank's async error afterwards */
+  char after_msg[8][256];
 } fault_t;
+
+static void *watchdog(void *arg) {
+  fault_t *f = arg;
+  while (atomic_load(&f->entered) < f->R - 1) tu_sleep_ms(1);
+  epx_comm_t *c = atomic_load(&f->comms[f->abort_rank]);
+  tu_sleep_ms(200);
+  if (!c) { /* its init failed: the checks say so */
+    atomic_store(&f->watch_done, 1);
+    return NULL;
+  }
+  f->before = EPX_ERR_INTERNAL;
+  f->before_ret = epx_comm_get_async_error(c, &f->before);
+  f->abort_st[0] = epx_comm_abort(c);
+  f->abort_st[1] = epx_comm_abort(c); /* twice is harmless */
+  atomic_store(&f->watch_done, 1);
+  return NULL;
+}
+
+/* After the watchdog's abort: what epx_comm_get_async_error says on this rank's comm. */
+static void async_after(fault_t *f, int r, epx_comm_t *comm) {
+  while (!atomic_load(&f->watch_done)) tu_sleep_ms(1);
+  epx_status_t found = EPX_SUCCESS;
+  const epx_status_t ret = epx_comm_get_async_error(comm, &found);
+  f->after[r] = ret == found ? found : EPX_ERR_INTERNAL; /* it returns what it stores */
+  snprintf(f->after_msg[r], sizeof f->after_msg[r], "%s", epx_last_error());
+}
 
 static void note(fault_t *f, int r, epx_status_t s) {
   f->op_st[r] = s;
@@ -59,6 +95,7 @@ static epx_status_t rank_main(int r, void *arg) {
   cfg.num_sms = f->num_sms;
   f->init_st[r] = epx_comm_init(f->world, r, &cfg, &comm);
   if (f->init_st[r] != EPX_SUCCESS) snprintf(f->msg[r], sizeof f->msg[r], "%s", epx_last_error());
+  if (f->init_st[r] != EPX_SUCCESS && r != f->absent) atomic_fetch_add(&f->entered, 1); /* the watchdog goes on */
   if (f->init_st[r] == EPX_SUCCESS && r != f->absent) {
     epx_handle_config_t hc = tu_handle_config(f->ll ? EPX_ALGO_LL : EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
     hc.exact = f->exact;
@@ -67,6 +104,8 @@ static epx_status_t rank_main(int r, void *arg) {
     epx_dispatch_args_t d;
     epx_dispatch_args_init(&d);
     d.x = x, d.recv_x = recv, d.recv_capacity = r == f->small_rank ? 1 : cap;
+    atomic_store(&f->comms[r], comm);
+    atomic_fetch_add(&f->entered, 1);
     double t0 = tu_now();
     epx_status_t s = epx_dispatch(comm, h, &rt, &d);
     if (s == EPX_SUCCESS) s = epx_comm_synchronize(comm);
@@ -74,6 +113,7 @@ static epx_status_t rank_main(int r, void *arg) {
     f->secs[r] = tu_now() - t0;
   }
   tu_barrier_wait(); /* nobody frees state a peer may still post to */
+  if (f->abort_rank >= 0 && f->init_st[r] == EPX_SUCCESS) async_after(f, r, comm);
   cudaDeviceSynchronize();
   uint8_t *back = malloc(recv_bytes);
   cudaMemcpy(back, recv, recv_bytes, cudaMemcpyDeviceToHost);
@@ -96,15 +136,46 @@ static void run(fault_t *f) {
   wc.nranks = f->R;
   CHECK(epx_world_create(&wc, &f->world) == EPX_SUCCESS, "world: %s", epx_last_error());
   tu_barrier_init(f->R);
+  pthread_t dog;
+  const int watched = f->abort_rank >= 0 && pthread_create(&dog, NULL, watchdog, f) == 0;
+  CHECK(f->abort_rank < 0 || watched, "no watchdog thread");
+  if (f->abort_rank >= 0 && !watched) atomic_store(&f->watch_done, 1);
   epx_run_ranks(f->R, rank_main, f, NULL);
+  if (watched) pthread_join(dog, NULL);
   epx_world_destroy(f->world);
 }
 
 static fault_t fresh(int R) {
   fault_t f;
   memset(&f, 0, sizeof f);
-  f.R = R, f.timeout_ms = 5000, f.num_sms = 8, f.absent = f.small_rank = f.bad_rank = -1, f.exact = 1;
+  f.R = R, f.timeout_ms = 5000, f.num_sms = 8, f.absent = f.small_rank = f.bad_rank = f.abort_rank = -1, f.exact = 1;
   return f;
+}
+
+/* A watchdog aborts rank 1's comm while ranks 0-2 wait inside the device exchange for rank
+ * 3, which never calls: every wait ends with EPX_ERR_BROKEN long before the timeout, saying
+ * who aborted; the async error is clean before and a failure on every comm after. */
+static void watchdog_abort(int ll, int exact) {
+  fault_t f = fresh(4);
+  f.absent = 3, f.abort_rank = 1, f.timeout_ms = 20000, f.ll = ll, f.exact = exact;
+  run(&f);
+  const char *mode = ll ? "ll" : exact ? "ht exact" : "ht sync-free";
+  CHECK(f.before_ret == EPX_SUCCESS && f.before == EPX_SUCCESS, "%s: async error before the abort: %s", mode,
+        epx_status_string(f.before));
+  CHECK(f.abort_st[0] == EPX_SUCCESS && f.abort_st[1] == EPX_SUCCESS, "%s: abort: %s, again %s", mode,
+        epx_status_string(f.abort_st[0]), epx_status_string(f.abort_st[1]));
+  for (int r = 0; r < 4; r++) {
+    if (r != f.absent) {
+      CHECK(f.op_st[r] == EPX_ERR_BROKEN, "%s: rank %d: %s, want broken (%s)", mode, r, epx_status_string(f.op_st[r]),
+            f.msg[r]);
+      CHECK(strstr(f.msg[r], "ABORTED") && strstr(f.msg[r], "rank 1 aborted"), "%s: rank %d's message: %s", mode, r,
+            f.msg[r]);
+      CHECK(f.secs[r] < f.timeout_ms / 2000.0, "%s: rank %d took %.2f s to stop", mode, r, f.secs[r]);
+    }
+    CHECK(f.after[r] == EPX_ERR_BROKEN && strstr(f.after_msg[r], "ABORTED"), "%s: rank %d's async error after: %s (%s)",
+          mode, r, epx_status_string(f.after[r]), f.after_msg[r]);
+  }
+  printf("  watchdog, %s: rank 0 says: %s; async: %s\n", mode, f.msg[0], f.after_msg[3]);
 }
 
 /* ---- calls that do not pair: what the first exchange's stamps catch --------------------------- */
@@ -348,6 +419,9 @@ int main(void) {
     for (int r = 0; r < 4; r++)
       CHECK(g.op_st[r] == EPX_SUCCESS, "after re-creation rank %d: %s (%s)", r, epx_status_string(g.op_st[r]), g.msg[r]);
   }
+  watchdog_abort(0, 1);
+  watchdog_abort(0, 0);
+  watchdog_abort(1, 0);
   { /* sync-free output too small on one rank: a status, nothing written there */
     fault_t f = fresh(2);
     f.small_rank = 1, f.exact = 0;
