@@ -121,7 +121,8 @@ if want sweep; then
   run sweep-tokens-a2a    $b --sweep tokens --tokens 16384 --layout expert --align 128 --mode a2a --json "$sw/tokens-a2a.json"
   run sweep-sms-token     $b --sweep sms --tokens 4096 --json "$sw/sms-token.json"
   run sweep-sms-expert    $b --sweep sms --tokens 4096 --layout expert --align 128 --json "$sw/sms-expert.json"
-  plot="python3 tools/plot_bench.py --title \"$(date -u +%Y-%m-%d), $(git rev-parse --short HEAD 2>/dev/null || echo ?)\" --out $sw/bench.png $sw/*.json"
+  # the device's copy of the tree may carry no (or a stale) .git: name the commit with EPX_COMMIT
+  plot="python3 tools/plot_bench.py --title \"$(date -u +%Y-%m-%d)${EPX_COMMIT:+, commit $EPX_COMMIT}\" --out $sw/bench.png $sw/*.json"
   echo "$plot" >"$sw/plot-command.txt"
   run sweep-plot bash -c "$plot" || echo "plot the sweep elsewhere: $plot"
 fi
