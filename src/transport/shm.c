@@ -860,14 +860,121 @@ static epx_status_t check_infos(const shm_info_t *infos, int R, int me) {
   return EPX_SUCCESS;
 }
 
-epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_exchange_fn exchange, void *ctx,
-                                   int timeout_ms, epxi_group_t **group) {
-  *group = NULL;
+/* A group with no descriptors yet, so that shm_destroy can undo any partial setup. */
+static shm_group_t *new_shm_group(int nranks, int rank) {
   shm_group_t *g = calloc(1, sizeof *g);
-  if (!g) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cross-process group");
+  if (!g) return NULL;
   g->base = (epxi_group_t){.ops = &shm_ops, .nranks = nranks, .first_rank = rank, .num_local = 1};
   g->rank = rank;
   for (int r = 0; r < EPX_MAX_RANKS; r++) g->fd[r] = g->sock[r] = g->pidfd[r] = -1;
+  return g;
+}
+
+/* This rank's own file, sized and with its header mapped and filled; the group owns whatever
+ * was made, also on failure. */
+static epx_status_t create_own_segment(shm_group_t *g, int nranks, int rank) {
+  g->fd[rank] = anon_shared_file(rank);
+  /* sized before any peer can map it: touching a page past the end would be SIGBUS */
+  const int sized = g->fd[rank] >= 0 && ftruncate(g->fd[rank], HDR_BYTES + COMMON_BYTES) == 0;
+  g->file_bytes = HDR_BYTES + COMMON_BYTES;
+  if (!sized)
+    return epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not create its shared segment: %s", rank, strerror(errno));
+  void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[rank], 0);
+  if (p == MAP_FAILED)
+    return epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map its shared segment: %s", rank, strerror(errno));
+  g->hdr[rank] = p;
+  shm_header_t *h = g->hdr[rank];
+  h->tag = SHM_TAG;
+  h->rank = rank;
+  h->nranks = nranks;
+  h->pid = (int32_t)getpid();
+  h->header_bytes = (int32_t)sizeof *h;
+  return EPX_SUCCESS;
+}
+
+/* What this rank tells the others in round 1; filled even on a rank that has already failed,
+ * since that rank still takes part to report its status. */
+static void describe_self(shm_info_t *mine, int rank, int nranks, int backend) {
+  memcpy(mine->tag, INFO_TAG, sizeof mine->tag);
+  mine->rank = rank;
+  mine->nranks = nranks;
+  mine->backend = backend;
+  mine->pid = (int32_t)getpid();
+  mine->uid = (uint32_t)getuid();
+  mine->nonce = random_u64();
+  read_boot_id(mine->boot_id, sizeof mine->boot_id);
+}
+
+/* Listener in the abstract namespace: gone with the process, never in the file system. Its
+ * name goes into mine->sock; *listener is this rank's to close, also on failure. */
+static epx_status_t open_listener(shm_info_t *mine, int rank, int *listener) {
+  *listener = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (*listener < 0) return epxi_fail(EPX_ERR_SYSTEM, "rank %d: socket: %s", rank, strerror(errno));
+  for (int tries = 0;; tries++) {
+    snprintf(mine->sock, sizeof mine->sock, "epx.%d.%016llx", (int)getpid(), (unsigned long long)random_u64());
+    struct sockaddr_un a;
+    socklen_t alen = abstract_addr(mine->sock, &a);
+    if (bind(*listener, (struct sockaddr *)&a, alen) == 0 && listen(*listener, EPX_MAX_RANKS) == 0)
+      return EPX_SUCCESS;
+    if (errno != EADDRINUSE || tries > 8)
+      return epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not listen on a unix socket: %s", rank, strerror(errno));
+  }
+}
+
+/* Maps every peer's header (its file came over the sockets) and checks that it is ours. */
+static epx_status_t map_peer_headers(shm_group_t *g, int nranks, int rank) {
+  for (int r = 0; r < nranks; r++) {
+    if (r == rank) continue;
+    void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[r], 0);
+    if (p == MAP_FAILED)
+      return epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map rank %d's shared segment: %s", rank, r,
+                       strerror(errno));
+    g->hdr[r] = p;
+    if (g->hdr[r]->tag != SHM_TAG || g->hdr[r]->rank != r || g->hdr[r]->nranks != nranks ||
+        g->hdr[r]->header_bytes != (int32_t)sizeof(shm_header_t))
+      return epxi_fail(EPX_ERR_INTERNAL, "rank %d: rank %d's shared segment has a foreign header (another epx version?)",
+                       rank, r);
+  }
+  return EPX_SUCCESS;
+}
+
+/* A rank that failed hangs up before round 2, so that peers still waiting on it in
+ * exchange_files see it at once. */
+static void hang_up(shm_group_t *g, int nranks, int *listener) {
+  close(*listener);
+  *listener = -1;
+  for (int r = 0; r < nranks; r++)
+    if (g->sock[r] >= 0) close(g->sock[r]), g->sock[r] = -1;
+}
+
+/* Round 2: everyone attached, or everyone fails. s is this rank's status so far; the result is
+ * the group's. */
+static epx_status_t vote_on_join(epx_status_t s, int nranks, int rank, epxi_exchange_fn exchange, void *ctx) {
+  const epx_status_t before = s;
+  int32_t vote = s, *votes = calloc((size_t)nranks, sizeof *votes);
+  if (!votes) {
+    if (s == EPX_SUCCESS) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap votes");
+    return s;
+  }
+  char keep[1024];
+  snprintf(keep, sizeof keep, "%s", epx_last_error());
+  epx_status_t x = exchange(&vote, votes, sizeof vote, ctx);
+  if (s == EPX_SUCCESS && x != EPX_SUCCESS) s = x;
+  if (before != EPX_SUCCESS) epxi_fail(before, "%s", keep); /* this rank's own reason comes first */
+  for (int r = 0; r < nranks && s == EPX_SUCCESS; r++)
+    if (votes[r] != EPX_SUCCESS)
+      s = epxi_fail(votes[r] == EPX_ERR_TIMEOUT ? EPX_ERR_TIMEOUT : EPX_ERR_PEER_LOST,
+                    "rank %d, bootstrap: rank %d could not join the group (%s)", rank, r,
+                    epx_status_string((epx_status_t)votes[r]));
+  free(votes);
+  return s;
+}
+
+epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_exchange_fn exchange, void *ctx,
+                                   int timeout_ms, epxi_group_t **group) {
+  *group = NULL;
+  shm_group_t *g = new_shm_group(nranks, rank);
+  if (!g) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "cross-process group");
 
   epx_status_t s = EPX_SUCCESS;
   int listener = -1;
@@ -876,51 +983,9 @@ epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_excha
   memset(&mine, 0, sizeof mine);
   if (!infos) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap table");
 
-  /* Own file and header. */
-  if (s == EPX_SUCCESS) {
-    g->fd[rank] = anon_shared_file(rank);
-    /* sized before any peer can map it: touching a page past the end would be SIGBUS */
-    if (g->fd[rank] < 0 || ftruncate(g->fd[rank], HDR_BYTES + COMMON_BYTES) != 0)
-      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not create its shared segment: %s", rank, strerror(errno));
-    g->file_bytes = HDR_BYTES + COMMON_BYTES;
-  }
-  if (s == EPX_SUCCESS) {
-    void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[rank], 0);
-    if (p == MAP_FAILED)
-      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map its shared segment: %s", rank, strerror(errno));
-    else
-      g->hdr[rank] = p;
-  }
-  if (s == EPX_SUCCESS) {
-    shm_header_t *h = g->hdr[rank];
-    h->tag = SHM_TAG;
-    h->rank = rank;
-    h->nranks = nranks;
-    h->pid = (int32_t)getpid();
-    h->header_bytes = (int32_t)sizeof *h;
-  }
-
-  /* Listener in the abstract namespace: gone with the process, never in the file system. */
-  memcpy(mine.tag, INFO_TAG, sizeof mine.tag);
-  mine.rank = rank;
-  mine.nranks = nranks;
-  mine.backend = backend;
-  mine.pid = (int32_t)getpid();
-  mine.uid = (uint32_t)getuid();
-  mine.nonce = random_u64();
-  read_boot_id(mine.boot_id, sizeof mine.boot_id);
-  if (s == EPX_SUCCESS) {
-    listener = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (listener < 0) s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: socket: %s", rank, strerror(errno));
-  }
-  for (int tries = 0; s == EPX_SUCCESS; tries++) {
-    snprintf(mine.sock, sizeof mine.sock, "epx.%d.%016llx", (int)getpid(), (unsigned long long)random_u64());
-    struct sockaddr_un a;
-    socklen_t alen = abstract_addr(mine.sock, &a);
-    if (bind(listener, (struct sockaddr *)&a, alen) == 0 && listen(listener, EPX_MAX_RANKS) == 0) break;
-    if (errno != EADDRINUSE || tries > 8)
-      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not listen on a unix socket: %s", rank, strerror(errno));
-  }
+  if (s == EPX_SUCCESS) s = create_own_segment(g, nranks, rank);
+  describe_self(&mine, rank, nranks, backend);
+  if (s == EPX_SUCCESS) s = open_listener(&mine, rank, &listener);
 
   /* Round 1: who is who. A rank that failed so far still takes part (with its status), so
    * that the others fail at once rather than at their timeouts. */
@@ -938,47 +1003,10 @@ epx_status_t epxi_shm_group_create(int nranks, int rank, int backend, epxi_excha
    * have taken the first exchange a while. */
   deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
   if (s == EPX_SUCCESS) s = exchange_files(g, listener, infos, deadline, timeout_ms);
-  for (int r = 0; r < nranks && s == EPX_SUCCESS; r++) {
-    if (r == rank) continue;
-    void *p = mmap(NULL, HDR_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd[r], 0);
-    if (p == MAP_FAILED) {
-      s = epxi_fail(EPX_ERR_SYSTEM, "rank %d: could not map rank %d's shared segment: %s", rank, r, strerror(errno));
-      break;
-    }
-    g->hdr[r] = p;
-    if (g->hdr[r]->tag != SHM_TAG || g->hdr[r]->rank != r || g->hdr[r]->nranks != nranks ||
-        g->hdr[r]->header_bytes != (int32_t)sizeof(shm_header_t))
-      s = epxi_fail(EPX_ERR_INTERNAL, "rank %d: rank %d's shared segment has a foreign header (another epx version?)",
-                    rank, r);
-  }
+  if (s == EPX_SUCCESS) s = map_peer_headers(g, nranks, rank);
 
-  /* Round 2: everyone attached, or everyone fails. A rank that failed hangs up first, so that
-   * peers still waiting on it in exchange_files see it at once. */
-  if (s != EPX_SUCCESS) {
-    close(listener);
-    listener = -1;
-    for (int r = 0; r < nranks; r++)
-      if (g->sock[r] >= 0) close(g->sock[r]), g->sock[r] = -1;
-  }
-  {
-    const epx_status_t before = s;
-    int32_t vote = s, *votes = calloc((size_t)nranks, sizeof *votes);
-    if (!votes) {
-      if (s == EPX_SUCCESS) s = epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap votes");
-      goto out;
-    }
-    char keep[1024];
-    snprintf(keep, sizeof keep, "%s", epx_last_error());
-    epx_status_t x = exchange(&vote, votes, sizeof vote, ctx);
-    if (s == EPX_SUCCESS && x != EPX_SUCCESS) s = x;
-    if (before != EPX_SUCCESS) epxi_fail(before, "%s", keep); /* this rank's own reason comes first */
-    for (int r = 0; r < nranks && s == EPX_SUCCESS; r++)
-      if (votes[r] != EPX_SUCCESS)
-        s = epxi_fail(votes[r] == EPX_ERR_TIMEOUT ? EPX_ERR_TIMEOUT : EPX_ERR_PEER_LOST,
-                      "rank %d, bootstrap: rank %d could not join the group (%s)", rank, r,
-                      epx_status_string((epx_status_t)votes[r]));
-    free(votes);
-  }
+  if (s != EPX_SUCCESS) hang_up(g, nranks, &listener);
+  s = vote_on_join(s, nranks, rank, exchange, ctx);
 
 out:
   if (listener >= 0) close(listener);
