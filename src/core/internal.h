@@ -29,6 +29,7 @@ typedef struct {
   int timeout_ms;        /* EPX_TIMEOUT_MS, default 30000 */
   int num_sms;           /* EPX_NUM_SMS, default 16 */
   int arena_mb;          /* EPX_ARENA_MB (old name EPX_IPC_ARENA_MB): a CUDA comm's arena; 0 = from the config */
+  int ht_pipelined;      /* EPX_HT_PIPELINED=0: the CUDA high-throughput dispatch per token only (for comparison) */
   epxi_log_level_t log;  /* EPX_DEBUG=WARN|INFO */
 } epxi_env_t;
 const epxi_env_t *epxi_env(void);

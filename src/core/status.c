@@ -73,6 +73,7 @@ static void env_read(void) {
   env.timeout_ms = env_int("EPX_TIMEOUT_MS", 30000, 1, 86400000);
   env.num_sms = env_int("EPX_NUM_SMS", 16, 1, 1024);
   env.arena_mb = env_int("EPX_ARENA_MB", env_int("EPX_IPC_ARENA_MB", 0, 0, 1 << 22), 0, 1 << 22);
+  env.ht_pipelined = env_int("EPX_HT_PIPELINED", 1, 0, 1);
   const char *d = getenv("EPX_DEBUG");
   env.log = EPXI_LOG_NONE;
   if (d && !strcasecmp(d, "WARN")) env.log = EPXI_LOG_WARN;

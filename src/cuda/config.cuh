@@ -36,6 +36,18 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
  * popcounts, their words loaded at once; longer rows get a warp. */
 #define EPXC_PREFIX_LANE_WORDS 8
 
+/* ---- bulk copies (bulk.cuh) -------------------------------------------------------------- */
+
+/* A block of the pipelined kernels: warps that each own a ring of stages. 8 x 3 x 7 KB keeps
+ * about 112 KB of loads in flight per SM (the ~100 KB one SM needs to reach its limit), and
+ * with the warps' job tables fills the 227 KB of shared memory: one block per SM. 7 KB is
+ * half a DeepSeek-V3 bf16 row (H 7168). */
+#define EPXC_BULK_WARPS 8
+#define EPXC_BULK_STAGES 3
+#define EPXC_BULK_STAGE_BYTES 7168
+#define EPXC_BULK_BATCH 32          /* jobs a warp describes at once: a bitmap word's tokens */
+#define EPXC_SMEM_MAX (227 * 1024)  /* sm_90's dynamic shared memory per block */
+
 /* ---- waits ------------------------------------------------------------------------------ */
 
 #define EPXC_POLL_MASK 63           /* a wait checks the clock and the peer's error word every 64 spins */

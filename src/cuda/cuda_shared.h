@@ -211,6 +211,8 @@ typedef struct {
   int ll;            /* low-latency layout: blocks of nranks * max_tokens rows */
   int expert_layout;
   int num_sms;
+  int bulk_copies;   /* the device has the bulk-copy engine (sm_90 and later) and EPX_HT_PIPELINED is
+                        not 0: see ht.cu */
 } epxc_shape_t;
 
 typedef struct {

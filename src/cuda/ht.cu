@@ -1,16 +1,24 @@
 /* High-throughput dispatch and combine: the fused path for prefill and training.
  *
- * Dispatch: each destination reads every token that comes to it once from its source (a
- * warp per token, 16-byte vectors) and writes it to its final rows: its token row, or one row
- * per local expert it chose (the extra copies are made here, on the receiving side, so a
- * token crosses the link once per rank). fp8 is quantised on the fly, per 128 channels.
+ * Dispatch: each destination reads every token that comes to it once from its source and
+ * writes it to its final rows: its token row, or one row per local expert it chose (the extra
+ * copies are made here, on the receiving side, so a token crosses the link once per rank).
  * Combine: each destination first reduces its rows of a token into one partial (expert
- * layout), then each source reads its tokens' rows back and sums them in rank order. */
-#include "cuda/rows.cuh"
+ * layout), then each source reads its tokens' rows back and sums them in rank order.
+ *
+ * Dispatch has two kernels, picked by one rule (ht_bulk_dispatch, at the end):
+ *  - pipelined (bulk.cuh): rows move by bulk asynchronous copies through each warp's ring of
+ *    shared-memory stages; a warp describes a bitmap word's 32 tokens at once, then streams
+ *    them. Every dispatch whose rows arrive as they were sent (same type, no scaling).
+ *  - per token (a warp per token, 16-byte vectors through registers): the dispatches that
+ *    convert (fp8, quantised per 128 channels on the fly; scaled by the routing weight), and
+ *    every dispatch on devices without the bulk-copy engine.
+ * Combine goes a warp per token. */
+#include "cuda/bulk.cuh"
 
-/* ---- dispatch --------------------------------------------------------------------------- */
+/* ---- dispatch, a warp per token ----------------------------------------------------------- */
 
-static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shape_t s, epxc_group_t g,
+static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_token_kernel(epxc_shape_t s, epxc_group_t g,
                                                                       const epxc_plan_t *plan, epxc_dispatch_t a) {
   if (plan_void(&g, plan)) return;
   const int K = s.topk, L = s.num_local, R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
@@ -58,18 +66,130 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_kernel(epxc_shap
   }
 }
 
-extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
-                             const epxc_dispatch_t *a, void *stream) {
-  dispatch_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
-  return (int)cudaGetLastError();
+/* ---- dispatch, pipelined: where a batch's rows come from and go ------------------------- */
+
+/* A batch of the pipelined kernels: word `word` of source `src_rank`'s bitmaps. Items are
+ * dealt to the warps source-fastest, so a block's warps read from every peer at once; false
+ * past every source's last word. */
+static __device__ bool batch_of(const epxc_shape_t *s, const epxc_plan_t *plan, int64_t item, int *src_rank,
+                                int64_t *word) {
+  int64_t words = 0;
+  for (int r = 0; r < s->nranks; r++) words = max(words, (plan->peer[r].num_tokens + 31) / 32);
+  *src_rank = (int)(item % s->nranks);
+  *word = item / s->nranks;
+  return *word < words;
 }
 
-/* ---- combine ---------------------------------------------------------------------------- */
+/* Word `word` of src's bitmap row for this rank: 0 past src's own tokens (the row's stride is
+ * src's capacity, and a source with fewer tokens than another has fewer words). */
+static __device__ uint32_t bits_here(const epxc_shape_t *s, const epxc_peer_t *src, int64_t word) {
+  return word * EPXC_WARP < src->num_tokens ? src->rank_bits[(int64_t)s->rank * src->words + word] : 0u;
+}
+
+/* Lane i, token t = 32 word + i of src, expert layout: its slots that land here, in
+ * local_slots' order (ascending local expert, ties in slot order): slot k goes to place
+ * pos[k] (-1: not here), receive row row[k], routing weight w[k]. One round trip for the
+ * slots, one for the expert bitmaps and weights of those here. */
+typedef struct {
+  int m;
+  int pos[EPXC_MAX_TOPK];
+  int64_t row[EPXC_MAX_TOPK];
+  float w[EPXC_MAX_TOPK];
+} lane_slots_t;
+
+static __device__ void lane_local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
+                                        const epxc_peer_t *src, int64_t t, lane_slots_t *o) {
+  const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank;
+  const int64_t W = src->words, word = t >> 5;
+  const uint32_t below = (1u << (t & 31)) - 1u;
+  int lk[EPXC_MAX_TOPK];
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+    const int e = k < K ? src->idx[t * K + k] : -1;
+    lk[k] = e >= 0 && e / L == me ? e % L : -1;
+  }
+  o->m = 0;
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+    o->pos[k] = -1;
+    if (lk[k] < 0) continue;
+    int p = 0;
+#pragma unroll
+    for (int q = 0; q < EPXC_MAX_TOPK; q++) p += lk[q] >= 0 && (lk[q] < lk[k] || (lk[q] == lk[k] && q < k));
+    const int64_t e = (int64_t)me * L + lk[k];
+    o->pos[k] = p;
+    o->row[k] = plan->pair_base[(int64_t)lk[k] * R + src_rank] + src->exp_pre[e * W + word] +
+                __popc(src->exp_bits[e * W + word] & below);
+    o->w[k] = src->weight[t * K + k];
+    o->m++;
+  }
+}
+
+/* Lane i: token t = 32 word + i of src_rank, if it comes here: where it is read and the rows
+ * it is written to (with its routing: recv_topk_* in the token layout, recv_probs in the
+ * expert layout). */
+static __device__ void describe_dispatch(const epxc_shape_t *s, const epxc_plan_t *plan, const epxc_group_t *g,
+                                         int src_rank, int64_t word, const epxc_dispatch_t *a, bulk_warp_t *w) {
+  const int K = s->topk, L = s->num_local, me = s->rank, lane = lane_id();
+  const epxc_peer_t *src = &plan->peer[src_rank];
+  const int64_t W = src->words, t = word * EPXC_WARP + lane;
+  const size_t rb = (size_t)s->hidden * dtype_bytes(a->recv_dtype);
+  const uint32_t bits = bits_here(s, src, word);
+  bulk_copy_job_t *j = &w->job[lane];
+  int m = 0;
+  if ((bits >> lane) & 1) {
+    j->src = (const uint8_t *)peer_ptr(g, src_rank, posted(g, src_rank)->ht_dispatch.x) + t * rb;
+    if (!s->expert_layout) {
+      const int64_t n = plan->tok_base[src_rank] + src->rank_pre[(int64_t)me * W + word] + __popc(bits & ((1u << lane) - 1u));
+      j->dst[0] = (uint8_t *)a->recv_x + n * rb;
+      m = 1;
+      for (int k = 0; k < K; k++) {
+        const int e = src->idx[t * K + k];
+        const bool here = e >= 0 && e / L == me;
+        if (a->recv_topk_idx) a->recv_topk_idx[n * K + k] = here ? e % L : -1;
+        if (a->recv_topk_weights) a->recv_topk_weights[n * K + k] = here ? src->weight[t * K + k] : 0.0f;
+      }
+    } else {
+      lane_slots_t o;
+      lane_local_slots(s, plan, src_rank, src, t, &o);
+#pragma unroll
+      for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+        if (o.pos[k] < 0) continue;
+        j->dst[o.pos[k]] = (uint8_t *)a->recv_x + o.row[k] * rb;
+        if (a->recv_probs) a->recv_probs[o.row[k]] = o.w[k];
+      }
+      m = o.m;
+    }
+  }
+  w->m[lane] = (int8_t)m;
+  __syncwarp();
+}
+
+static __global__ void __launch_bounds__(EPXC_BULK_WARPS * EPXC_WARP) dispatch_bulk_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                                        const epxc_plan_t *plan,
+                                                                                        epxc_dispatch_t a) {
+  if (plan_void(&g, plan)) return;
+  if (!output_fits(&s, &g, plan, &a)) return;
+  write_counts(&s, plan, &a);
+  zero_padding(&s, plan, &a);
+  bulk_warp_t *w = bulk_warp_setup();
+  bulk_ring_t ring = {0, 0};
+  const int32_t row_bytes = (int32_t)(s.hidden * dtype_bytes(a.recv_dtype));
+  int src_rank;
+  int64_t word;
+  for (int64_t item = warp_global(); batch_of(&s, plan, item, &src_rank, &word); item += warp_count()) {
+    describe_dispatch(&s, plan, &g, src_rank, word, &a, w);
+    bulk_copy_batch(w, &ring, row_bytes);
+  }
+  bulk_copy_finish();
+}
+
+/* ---- combine, a warp per token ------------------------------------------------------------ */
 
 /* Expert layout, on the destination: partial[n] = round(sum over local experts ascending of
  * w * y[row]), one per arrived token. */
-static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                      const epxc_plan_t *plan, epxc_combine_t a) {
+static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                            const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan) || plan->refused) return;
   if (plan->num_recv > a.partial_rows) { /* the dispatch this inverts never ran with these sizes */
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -92,43 +212,84 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_kernel(epxc_shap
   }
 }
 
-extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
-                                     const epxc_combine_t *a, void *stream) {
-  partials_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
-  return (int)cudaGetLastError();
-}
-
 /* On the source: out[t] = round(sum over destinations d ascending of rows_d[row of t on d]),
  * where rows_d is d's y (token layout) or d's partials (expert layout), as d published them in
- * the combine exchange (or this rank's staged copy of them, all-to-all). */
-static __global__ void __launch_bounds__(EPXC_THREADS) reduce_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                    const epxc_plan_t *plan, epxc_combine_t a) {
+ * the combine exchange (or this rank's staged copy of them, all-to-all); rows of type Y, out
+ * of type OUT. A token reaches at most K ranks. */
+template <epx_dtype_t Y, epx_dtype_t OUT>
+static __global__ void __launch_bounds__(EPXC_THREADS) reduce_token_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                          const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan)) return;
   const int R = s.nranks, H = s.hidden;
   const int64_t T = plan->num_tokens, W = plan->words;
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
-    const void *rows[EPX_MAX_RANKS];
+    const void *rows[EPXC_MAX_TOPK];
     int m = 0;
     for (int d = 0; d < R; d++) {
       const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
       if (!bit_set(bits, t)) continue;
       const int64_t rank = bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
-      rows[m++] = a.staged ? row_at(a.staged, a.y_dtype, plan->send_base[d] + rank, H)
-                           : row_at(peer_ptr(&g, d, posted(&g, d)->combine.rows), a.y_dtype, plan->dest_base[d] + rank, H);
+      rows[m++] = a.staged ? row_at(a.staged, Y, plan->send_base[d] + rank, H)
+                           : row_at(peer_ptr(&g, d, posted(&g, d)->combine.rows), Y, plan->dest_base[d] + rank, H);
     }
-    reduce_rows(rows, NULL, m, a.y_dtype, row_at_mut(a.out, a.out_dtype, t, H), a.out_dtype, H);
+    reduce_rows_ahead<EPXC_AHEAD(Y)>(rows, NULL, m, Y, row_at_mut(a.out, OUT, t, H), OUT, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }
 
-extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
-                                   const epxc_combine_t *a, void *stream) {
-  reduce_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+/* The sums on the source, by element types (float32 or bf16 each). */
+typedef void (*combine_kernel_t)(epxc_shape_t, epxc_group_t, const epxc_plan_t *, epxc_combine_t);
+static combine_kernel_t reduce_token_of(epx_dtype_t y, epx_dtype_t out) {
+  if (y == EPX_FLOAT32) return out == EPX_FLOAT32 ? reduce_token_kernel<EPX_FLOAT32, EPX_FLOAT32> : reduce_token_kernel<EPX_FLOAT32, EPX_BFLOAT16>;
+  return out == EPX_FLOAT32 ? reduce_token_kernel<EPX_BFLOAT16, EPX_FLOAT32> : reduce_token_kernel<EPX_BFLOAT16, EPX_BFLOAT16>;
+}
+/* ---- launches --------------------------------------------------------------------------- */
+
+/* The rule. Dispatch: on devices with the bulk-copy engine (sm_90), rows that arrive as they
+ * were sent move by bulk copies (every row is a multiple of 16 bytes: src/core refuses others);
+ * rows converted on the way (fp8, scaled by the routing weight) go a warp per token. Combine:
+ * a warp per token, its element types fixed at compile time (a staged, pipelined combine was
+ * measured slower: bulk.cuh). */
+static bool ht_bulk_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
+  return s->bulk_copies && a->recv_dtype == a->x_dtype && !(a->scale_by_probs && s->expert_layout);
+}
+
+static_assert(sizeof(bulk_warp_t) * EPXC_BULK_WARPS <= EPXC_SMEM_MAX, "a pipelined block fits shared memory");
+
+extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                             const epxc_dispatch_t *a, void *stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  if (ht_bulk_dispatch(s, a))
+    dispatch_bulk_kernel<<<s->num_sms, EPXC_BULK_WARPS * EPXC_WARP, bulk_smem_bytes(), st>>>(*s, *g, plan_dev, *a);
+  else
+    dispatch_token_kernel<<<s->num_sms, EPXC_THREADS, 0, st>>>(*s, *g, plan_dev, *a);
   return (int)cudaGetLastError();
 }
 
+extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                                     const epxc_combine_t *a, void *stream) {
+  partials_token_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
+                                   const epxc_combine_t *a, void *stream) {
+  reduce_token_of(a->y_dtype, a->out_dtype)<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  return (int)cudaGetLastError();
+}
+
+/* Loads the kernels; the pipelined one is allowed its shared memory here, once per device. */
 extern "C" int epxc_preload_ht(size_t *stack) {
+  cudaError_t e = cudaFuncSetAttribute((const void *)dispatch_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)bulk_smem_bytes());
+  if (e != cudaSuccess) return (int)e;
   const void *const kernels[] = {
-      (const void *)dispatch_kernel, (const void *)partials_kernel, (const void *)reduce_kernel};
+      (const void *)dispatch_bulk_kernel,
+      (const void *)dispatch_token_kernel,
+      (const void *)partials_token_kernel,
+      (const void *)reduce_token_of(EPX_FLOAT32, EPX_FLOAT32),
+      (const void *)reduce_token_of(EPX_FLOAT32, EPX_BFLOAT16),
+      (const void *)reduce_token_of(EPX_BFLOAT16, EPX_FLOAT32),
+      (const void *)reduce_token_of(EPX_BFLOAT16, EPX_BFLOAT16)};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

@@ -89,12 +89,56 @@ extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, c
   return (int)cudaGetLastError();
 }
 
+/* Exclusive prefix sums of round_up(in[i], align), i < n, into starts (unless NULL), by the
+ * whole block in chunks of its size; returns the sum to every thread. */
+static __device__ int64_t block_scan(const int32_t *in, int n, int align, int64_t *starts) {
+  __shared__ int64_t warp_base[EPXC_FINISH_THREADS / EPXC_WARP];
+  __shared__ int64_t carry;
+  const int lane = lane_id(), wid = threadIdx.x / EPXC_WARP, warps = blockDim.x / EPXC_WARP;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const int64_t v = i < n ? ((int64_t)in[i] + align - 1) / align * align : 0;
+    int64_t inc = v;
+    for (int o = 1; o < EPXC_WARP; o <<= 1) {
+      const int64_t u = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= o) inc += u;
+    }
+    if (lane == EPXC_WARP - 1) warp_base[wid] = inc;
+    __syncthreads();
+    if (wid == 0) {
+      const int64_t x = lane < warps ? warp_base[lane] : 0;
+      int64_t xi = x;
+      for (int o = 1; o < EPXC_WARP; o <<= 1) {
+        const int64_t u = __shfl_up_sync(0xffffffffu, xi, o);
+        if (lane >= o) xi += u;
+      }
+      if (lane < warps) warp_base[lane] = xi - x;
+    }
+    __syncthreads();
+    const int64_t before = carry + warp_base[wid] + inc - v;
+    if (i < n && starts) starts[i] = before;
+    __syncthreads(); /* every thread has read carry */
+    if (threadIdx.x == blockDim.x - 1) carry = before + v;
+    __syncthreads();
+  }
+  const int64_t total = carry;
+  __syncthreads(); /* before a next call sets carry again */
+  return total;
+}
+
 /* After the exchange of plan pointers (notify words): every rank's send side as this rank reads it,
- * then the receive side, from every rank's counts. */
-static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t *plan) {
+ * then the receive side, from every rank's counts. The peers' counts are read once, by all the
+ * threads at once, into shared memory; the sums over ranks, experts and rows are block scans:
+ * a decode step's whole notify is a few round trips. */
+static __global__ void __launch_bounds__(EPXC_FINISH_THREADS) finish_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                           epxc_plan_t *plan) {
   const epxc_state_t *st = g.state[g.rank];
-  const int R = s.nranks, L = s.num_local, me = s.rank, tid = threadIdx.x;
+  const int R = s.nranks, L = s.num_local, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
   __shared__ int stop;
+  __shared__ int32_t tokens[EPX_MAX_RANKS * EPX_MAX_RANKS]; /* [q * R + d]: q's tokens for d */
+  __shared__ int32_t pairs[EPX_MAX_EXPERTS];                /* [l * R + q]: q's pairs of local expert l */
   if (tid == 0) {
     stop = st->aborted;
     plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
@@ -102,46 +146,45 @@ static __global__ void finish_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t
   }
   __syncthreads();
   if (stop || plan->group_status) return;
-  if (tid < R) {
-    peer_view(&g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
-  }
+  if (tid < R) peer_view(&g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
+  __syncthreads();
+  for (int i = tid; i < R * R; i += nt) tokens[i] = plan->peer[i / R].counts[i % R];
+  for (int i = tid; i < L * R; i += nt) pairs[i] = plan->peer[i % R].counts[R + me * L + i / R];
   __syncthreads();
   if (tid < R) {
     int64_t tb = 0, db = 0;
-    for (int q = 0; q < tid; q++) tb += plan->peer[q].counts[me];
-    for (int q = 0; q < me; q++) db += plan->peer[q].counts[tid];
+    for (int q = 0; q < tid; q++) tb += tokens[q * R + me];
+    for (int q = 0; q < me; q++) db += tokens[q * R + tid];
     plan->tok_base[tid] = tb;
     plan->dest_base[tid] = db;
   }
-  for (int l = tid; l < L; l += blockDim.x) {
+  for (int l = tid; l < L; l += nt) {
     int64_t n = 0;
     for (int q = 0; q < R; q++) {
       plan->pair_base[(int64_t)l * R + q] = n; /* block start added below */
-      n += plan->peer[q].counts[R + me * L + l];
+      n += pairs[l * R + q];
     }
     plan->pairs_local[l] = (int32_t)n;
   }
   __syncthreads();
+  const int64_t rows = s.ll ? 0 : block_scan(plan->pairs_local, L, s.align, plan->block);
+  if (s.ll)
+    for (int l = tid; l < L; l += nt) plan->block[l] = (int64_t)l * R * s.max_tokens;
+  const int64_t num_pairs = block_scan(plan->pairs_local, L, 1, NULL);
+  const int64_t sent = block_scan(plan->counts, R, 1, plan->send_base);
+  const int64_t pairs_sent = block_scan(plan->counts + R, s.num_experts, 1, plan->pair_send_base);
   if (tid == 0) {
-    int64_t row = 0, pairs = 0, recv = 0, sent = 0;
-    for (int l = 0; l < L; l++) {
-      plan->block[l] = s.ll ? (int64_t)l * R * s.max_tokens : row;
-      row += (plan->pairs_local[l] + s.align - 1) / s.align * s.align;
-      pairs += plan->pairs_local[l];
-    }
-    plan->block[L] = s.ll ? (int64_t)L * R * s.max_tokens : row;
-    for (int q = 0; q < R; q++) recv += plan->peer[q].counts[me], sent += plan->counts[q];
-    int64_t send = 0, pairs_sent = 0;
-    for (int q = 0; q < R; q++) plan->send_base[q] = send, send += plan->counts[q];
-    for (int e = 0; e < s.num_experts; e++) plan->pair_send_base[e] = pairs_sent, pairs_sent += plan->counts[R + e];
+    int64_t recv = 0;
+    for (int q = 0; q < R; q++) recv += tokens[q * R + me];
+    plan->block[L] = s.ll ? (int64_t)L * R * s.max_tokens : rows;
     plan->pair_send_base[s.num_experts] = pairs_sent;
     plan->num_recv = recv;
-    plan->num_pairs = pairs;
+    plan->num_pairs = num_pairs;
     plan->num_rows = s.expert_layout ? plan->block[L] : recv;
     plan->sent_copies = sent;
   }
   __syncthreads();
-  for (int i = tid; i < L * R; i += blockDim.x) plan->pair_base[i] += plan->block[i / R];
+  for (int i = tid; i < L * R; i += nt) plan->pair_base[i] += plan->block[i / R];
 }
 
 extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream) {

@@ -196,10 +196,15 @@ static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g,
 /* out = round(sum over j < m, in order, of fl(w[j] * float(rows[j]))), one row by a warp;
  * w NULL sums the rows as they are. Every product is rounded before it is added, the sum is
  * float32 from 0, rounded once: the contract's arithmetic. A lane takes two 8-channel chunks
- * and loads two rows of each before adding, so four loads are in flight (one is far from
- * enough to cover the latency of a peer's memory). */
-static __device__ void reduce_rows(const void *const *rows, const float *w, int m, epx_dtype_t in_dtype, void *out,
-                                   epx_dtype_t out_dtype, int hidden) {
+ * and loads AHEAD rows of each before adding, so 2 x AHEAD loads are in flight: a peer's
+ * memory is far away, and the loads in flight per SM set how fast it comes. Called with
+ * constant types it folds to them, and a bf16 load takes 4 registers rather than a float32's
+ * 8: four bf16 rows ahead then fit a 1024-thread block's 64 registers (EPXC_AHEAD). */
+#define EPXC_AHEAD(in) ((in) == EPX_BFLOAT16 ? 4 : 2)
+template <int AHEAD>
+static __device__ __forceinline__ void reduce_rows_ahead(const void *const *rows, const float *w, int m,
+                                                         epx_dtype_t in_dtype, void *out, epx_dtype_t out_dtype,
+                                                         int hidden) {
   const int lane = lane_id();
   const int64_t vec_end = hidden / EPXC_LANE_CHANNELS * EPXC_LANE_CHANNELS;
   for (int64_t c0 = EPXC_LANE_CHANNELS * lane; c0 < vec_end; c0 += 2 * EPXC_CHUNK_CHANNELS) {
@@ -209,16 +214,16 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
     for (int h = 0; h < 2; h++)
 #pragma unroll
       for (int i = 0; i < 8; i++) acc[h][i] = 0.0f;
-    for (int j0 = 0; j0 < m; j0 += 2) {
-      raw8_t r[2][2];
+    for (int j0 = 0; j0 < m; j0 += AHEAD) {
+      raw8_t r[AHEAD][2];
 #pragma unroll
-      for (int u = 0; u < 2; u++)
+      for (int u = 0; u < AHEAD; u++)
         if (j0 + u < m) {
           r[u][0] = load_raw8(rows[j0 + u], in_dtype, c0);
           if (second) r[u][1] = load_raw8(rows[j0 + u], in_dtype, c0 + EPXC_CHUNK_CHANNELS);
         }
 #pragma unroll
-      for (int u = 0; u < 2; u++) {
+      for (int u = 0; u < AHEAD; u++) {
         if (j0 + u >= m) break;
         const float wj = w ? w[j0 + u] : 1.0f;
 #pragma unroll
@@ -244,6 +249,12 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
   }
 }
 
+/* Two rows ahead, the types known at run time: the low-latency kernels' blocks must stay small. */
+static __device__ void reduce_rows(const void *const *rows, const float *w, int m, epx_dtype_t in_dtype, void *out,
+                                   epx_dtype_t out_dtype, int hidden) {
+  reduce_rows_ahead<2>(rows, w, m, in_dtype, out, out_dtype, hidden);
+}
+
 /* Destination side of an expert-layout combine: token t of src_rank's partial, its rows
  * weighted and summed in ascending local expert. */
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
@@ -259,29 +270,32 @@ static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t
   reduce_rows(rows, w, m, a->y_dtype, out, a->y_dtype, s->hidden);
 }
 
-/* Source side of a combine, lanes < K: the weight gradient of token t's slots, from the row
- * gradients its destination published (0 for slots that routed nowhere). */
+/* Source side of a combine: the weight gradient of token t's slot k, from the row gradients
+ * its destination published (0 for a slot that routed nowhere). */
+static __device__ float slot_weight_grad_of(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
+                                            int64_t t, int k) {
+  const int K = s->topk, L = s->num_local, R = s->nranks;
+  const int64_t W = plan->words;
+  const int e = plan->idx[t * K + k];
+  if (e < 0) return 0.0f;
+  const int d = e / L;
+  const float *wg = (const float *)peer_ptr(g, d, posted(g, d)->combine.row_weight_grad);
+  int64_t row;
+  if (s->expert_layout) {
+    row = plan->peer[d].pair_base[(int64_t)(e % L) * R + s->rank] +
+          bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+  } else {
+    const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
+    row = (plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + k;
+  }
+  return wg ? wg[row] : 0.0f;
+}
+
+/* The same, lanes < K taking a slot each. */
 static __device__ void slot_weight_grad(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan, int64_t t,
                                         float *topk_weight_grad) {
-  const int K = s->topk, L = s->num_local, R = s->nranks, lane = lane_id();
-  const int64_t W = plan->words;
-  if (!topk_weight_grad || lane >= K) return;
-  const int e = plan->idx[t * K + lane];
-  float gw = 0.0f;
-  if (e >= 0) {
-    const int d = e / L;
-    const float *wg = (const float *)peer_ptr(g, d, posted(g, d)->combine.row_weight_grad);
-    int64_t row;
-    if (s->expert_layout) {
-      row = plan->peer[d].pair_base[(int64_t)(e % L) * R + s->rank] +
-            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
-    } else {
-      const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
-      row = (plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + lane;
-    }
-    gw = wg ? wg[row] : 0.0f;
-  }
-  topk_weight_grad[t * K + lane] = gw;
+  const int lane = lane_id();
+  if (topk_weight_grad && lane < s->topk) topk_weight_grad[t * s->topk + lane] = slot_weight_grad_of(s, g, plan, t, lane);
 }
 
 #endif
