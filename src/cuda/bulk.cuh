@@ -14,10 +14,12 @@
  * The ring's count of units runs on across batches: a stage's barrier phase is its use count's
  * parity. The waits here are on the copy engine, not on peers: they end when the bytes land.
  *
- * Measured and left out (bench/RESULTS.md, 2026-12-01): a combine on the same ring, its rows'
- * chunks staged by bulk or per-lane asynchronous copies and summed from shared memory, ran at
- * 36-38 GB/s per SM against the per-token kernels' 68-78: with one 8-warp block per SM (the
- * stages fill shared memory) the sums' arithmetic, not memory, bound it. */
+ * Measured and left out (bench/RESULTS.md, 2026-12-01), both bit for bit right: a combine on
+ * the same ring, its rows' chunks staged by bulk or per-lane asynchronous copies and summed
+ * from shared memory, ran at 36-38 GB/s per SM against the per-token kernels' 68-78; an fp8
+ * dispatch quantising from the staged chunk, at 10.6 GB/s per SM against 22.5. With one
+ * 8-warp block per SM (the stages fill shared memory) the lanes' arithmetic, not memory,
+ * bound both: the ring pays where the bytes pass through untouched. */
 #ifndef EPX_CUDA_BULK_CUH
 #define EPX_CUDA_BULK_CUH
 
