@@ -219,17 +219,23 @@ static epx_status_t apply_budgets(host_plan_t *p, const int64_t *budgets) {
 
 /* Send side: where each of this rank's tokens and pairs lands. Tokens are visited in order,
  * so rows keep (source rank, source token) order within every block. */
-static void plan_send(host_plan_t *p) {
+static epx_status_t plan_send(host_plan_t *p) {
   const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
   int64_t next_tok[EPX_MAX_RANKS];
   for (int d = 0; d < R; d++) next_tok[d] = epxi_token_base(&p->counts, d, me);
   int64_t *next_pair = calloc(p->num_experts, sizeof(int64_t)), *block = calloc(L + 1, sizeof(int64_t));
+  int64_t *sent = calloc(p->num_experts, sizeof(int64_t)); /* pairs routed to each expert so far */
+  if (!next_pair || !block || !sent) {
+    free(next_pair);
+    free(block);
+    free(sent);
+    return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "notify on rank %d: send plan", me);
+  }
   for (int d = 0; d < R; d++) {
     expert_blocks(p, d, block);
     for (int l = 0; l < L; l++) next_pair[d * L + l] = block[l] + epxi_expert_source_base(&p->counts, d, l, me);
   }
   free(block);
-  int64_t *sent = calloc(p->num_experts, sizeof(int64_t)); /* pairs routed to each expert so far */
   for (int64_t t = 0; t < p->route.num_tokens; t++) {
     bool in_rank[EPX_MAX_RANKS] = {false};
     for (int k = 0; k < K; k++) {
@@ -244,6 +250,7 @@ static void plan_send(host_plan_t *p) {
   }
   free(sent);
   free(next_pair);
+  return EPX_SUCCESS;
 }
 
 /* A routing as shared with the peers: T, then idx [T, K], then weights [T, K]. */
@@ -259,10 +266,15 @@ static void route_blob_pack(const epxi_topk_t *r, void *blob) {
 
 /* Receive side, from every source's routing: what lands here, in arrival order, and at which
  * rows (the same sums as the source's plan_send, seen from the destination). */
-static void plan_recv(host_plan_t *p, const void *const *routes) {
+static epx_status_t plan_recv(host_plan_t *p, const void *const *routes) {
   const int R = p->nranks, K = p->topk, L = p->num_local, me = p->rank;
   int64_t n = 0;
   int64_t *next_pair = calloc(L, sizeof(int64_t)), *arrived = calloc(L, sizeof(int64_t));
+  if (!next_pair || !arrived) {
+    free(next_pair);
+    free(arrived);
+    return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "notify on rank %d: receive plan", me);
+  }
   for (int s = 0; s < R; s++) {
     const int32_t *kept = p->pair + (size_t)s * p->num_experts + (size_t)me * L;
     for (int l = 0; l < L; l++) arrived[l] = 0;
@@ -289,6 +301,7 @@ static void plan_recv(host_plan_t *p, const void *const *routes) {
   }
   free(arrived);
   free(next_pair);
+  return EPX_SUCCESS;
 }
 
 /* The node path's plan, from every source's routing (low-latency mode: the flat order). */
@@ -352,10 +365,8 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
   p->recv_row = xcalloc(p->num_recv * K, sizeof(int64_t), &s);
   p->pairs_per_local = xcalloc(L, sizeof(int32_t), &s);
   void *blob = xcalloc(route_blob_bytes(T, K), 1, &s);
-  if (s == EPX_SUCCESS) {
-    plan_send(p);
-    route_blob_pack(&p->route, blob);
-  }
+  if (s == EPX_SUCCESS) s = plan_send(p);
+  if (s == EPX_SUCCESS) route_blob_pack(&p->route, blob);
   for (int l = 0; l < L && s == EPX_SUCCESS; l++) {
     int64_t pairs = epxi_expert_pairs(&p->counts, me, l);
     if (pairs > INT32_MAX) /* tokens_per_local_expert is int32 */
@@ -374,10 +385,11 @@ static epx_status_t host_notify(epx_comm_t *comm, epx_handle_t *h, const epx_rou
   const void *routes[EPX_MAX_RANKS];
   if (s == EPX_SUCCESS) s = share(comm, "notify:routes", blob, route_blob_bytes(T, K), routes);
   if (s == EPX_SUCCESS) {
-    plan_recv(p, routes);
-    epx_status_t nodes = plan_nodes(comm, p, routes);
+    /* a failure here still finishes reading, then meets the peers in the agreement */
+    epx_status_t planned = plan_recv(p, routes);
+    if (planned == EPX_SUCCESS) planned = plan_nodes(comm, p, routes);
     s = done_reading(comm, "notify:routes-read");
-    if (s == EPX_SUCCESS) s = agree(comm, "notify:nodes", nodes);
+    if (s == EPX_SUCCESS) s = agree(comm, "notify:nodes", planned);
   }
   free(blob);
   if (s != EPX_SUCCESS) plan_clear(p);
