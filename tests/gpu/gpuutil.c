@@ -16,9 +16,10 @@ int gu_have_gpu(void) {
 const char *gu_case_str(const gu_case_t *c) {
   static _Thread_local char buf[256];
   static const char *const algo[] = {"ht", "ll", "a2a"}, *const form[] = {"topk32", "topk64", "map", "mixed"};
-  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d", c->R,
+  static const char *const route[] = {"", " route=one-expert", " route=one-rank"};
+  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s", c->R,
            c->E, c->H, c->K, (long long)c->T[0], algo[c->algo], c->layout == EPX_LAYOUT_EXPERT ? "expert" : "token",
-           c->align, tu_dtype(c->x_dtype), tu_dtype(c->recv_dtype), form[c->form], c->exact);
+           c->align, tu_dtype(c->x_dtype), tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route]);
   return buf;
 }
 
@@ -40,6 +41,8 @@ static int64_t rows_needed(const gu_case_t *c, const tu_moe_t *m, int d);
 void gu_inputs_make(gu_inputs_t *in, const gu_case_t *c) {
   memset(in, 0, sizeof *in);
   tu_route_opts_t o = tu_route_default();
+  if (c->route == GU_ROUTE_ONE_EXPERT) o.one_expert = c->E / 2;
+  if (c->route == GU_ROUTE_ONE_RANK) o.span_lo = c->E - c->E / c->R, o.span_hi = c->E;
   tu_moe_random(&in->m, &tu_rng, c->R, c->E, c->H, c->K, c->x_dtype, c->T, &o, 1);
   if (c->form == TU_FORM_MAP) tu_moe_make_map(&in->m);
   for (int r = 0; r < c->R; r++) {

@@ -19,6 +19,11 @@
 
 #define GU_SKIP 77 /* CTest's skip code: no GPU here */
 
+/* How a case routes its tokens: at random, every token to one expert only, or every token to
+ * experts of the last rank only (the skews a pipeline must survive: one expert's block or one
+ * rank takes everything, the others get nothing). */
+typedef enum { GU_ROUTE_RANDOM = 0, GU_ROUTE_ONE_EXPERT, GU_ROUTE_ONE_RANK } gu_route_t;
+
 typedef struct {
   int R, E, H, K, align, exact, form, max_tokens;
   epx_algo_t algo;
@@ -26,6 +31,7 @@ typedef struct {
   epx_dtype_t x_dtype, recv_dtype;
   int64_t T[TU_MAX_RANKS];
   int num_sms;
+  gu_route_t route;
 } gu_case_t;
 
 /* A row of a test's case table, and the case it makes: every rank gets T tokens, or with

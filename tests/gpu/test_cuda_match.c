@@ -15,7 +15,10 @@
 
 /* Every value the issue lists appears: R {2,4,8}, H {2048,2880,4096,7168}, K {1,2,8},
  * E {8,64,256}, T {0,1,4095,4096}, both layouts, align {1,16,128}, bf16 and float32, fp8
- * dispatch, each routing form, exact and sync-free sizing, uneven token counts. */
+ * dispatch, each routing form, exact and sync-free sizing, uneven token counts. The last
+ * rows stress the pipelined dispatch (7 KB stages): rows shorter than a stage (H 2880 bf16),
+ * straddling two (4096 bf16, 2048 and 2880 float32), 5120 bf16 (a stage and a remainder),
+ * every token on one expert, every token to one rank, and 32768 tokens per rank. */
 static const gu_row_t cases[] = {
     {2, 8, 1, 2048, 4096, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 0},
     {2, 8, 2, 2880, 4095, HT, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 1},
@@ -42,7 +45,28 @@ static const gu_row_t cases[] = {
     {2, 8, 8, 2048, 100, A2A, TOK, 1, F32, F32, TU_FORM_MAP, 0, 0},
 };
 
-#define NCASES ((int)(sizeof cases / sizeof *cases))
+/* Skews and sizes for the pipelines, after the table so its cases keep their indices (and
+ * their inputs: case i draws from stream i of the seed). */
+static const struct {
+  gu_row_t row;
+  gu_route_t route;
+} skewed[] = {
+    {{8, 256, 8, 7168, 1024, HT, EXP, 128, BF, BF, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_ONE_EXPERT},
+    {{8, 256, 8, 5120, 1024, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_ONE_RANK},
+    {{4, 64, 8, 7168, 512, HT, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_ONE_RANK},
+    {{4, 64, 2, 5120, 700, HT, EXP, 16, BF, BF, TU_FORM_MAP, 1, 1}, GU_ROUTE_ONE_EXPERT},
+    {{2, 16, 2, 2048, 32768, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM},
+};
+
+#define NTABLE ((int)(sizeof cases / sizeof *cases))
+#define NCASES (NTABLE + (int)(sizeof skewed / sizeof *skewed))
+
+static gu_case_t case_of(int i) {
+  if (i < NTABLE) return gu_case_of(&cases[i], 16);
+  gu_case_t c = gu_case_of(&skewed[i - NTABLE].row, 16);
+  c.route = skewed[i - NTABLE].route;
+  return c;
+}
 
 /* Marks the cases that one argument selects ("3", "2-5", "0,4,15-17"); 0 when it does not
  * parse or names a case the table does not have. */
@@ -70,7 +94,7 @@ static int select_cases(const char *arg, int *selected) {
 }
 
 static void run_case(int i) {
-  gu_case_t c = gu_case_of(&cases[i], 16);
+  gu_case_t c = case_of(i);
   double t0 = tu_now();
   tu_rng = tu_rng_stream(tu_seed, (uint64_t)i);
   gu_inputs_t in;
@@ -97,7 +121,7 @@ static int bad_selection(const char *arg) {
 int main(int argc, char **argv) {
   if (argc == 2 && !strcmp(argv[1], "--list")) {
     for (int i = 0; i < NCASES; i++) {
-      gu_case_t c = gu_case_of(&cases[i], 16);
+      gu_case_t c = case_of(i);
       printf("%2d  %s\n", i, gu_case_str(&c));
     }
     return 0;
