@@ -48,7 +48,7 @@ typedef struct {
   double ms[PH_COUNT];      /* median over iterations */
   double memory[PH_COUNT];  /* bytes the phase must read plus write, all ranks */
   double link[PH_COUNT];    /* bytes that cross between ranks */
-  double sm_copy_bw;        /* CUDA: plain copy kernel's bytes read + written per SM-second, 0 elsewhere */
+  double sm_copy_bw;        /* CUDA: the best copy kernel's bytes read + written per SM-second, 0 elsewhere */
   int sms_in_use;           /* CUDA: SMs of every rank together (ranks x num_sms) */
   int devices;              /* devices the ranks are on */
   double nvlink_ms[PH_COUNT]; /* CUDA: the link floor with a GPU per rank (dispatch, combine) */

@@ -1,6 +1,6 @@
 /* epx-bench on the CUDA backend: device memory, events, the stand-in experts as kernels with
  * the host's arithmetic, and the two copy references: the device's copy bandwidth (the floor)
- * and a plain copy kernel's bytes per SM-second. */
+ * and the best copy kernel's bytes per SM-second. */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>

@@ -48,7 +48,7 @@ typedef struct {
   void (*graph_launch)(void *exec, void *stream);
   void (*graph_destroy)(void *exec);
   /* The per-SM reference (NULL where there are no SMs): bytes read plus written per second
-   * and per SM by a plain copy kernel on `blocks` SMs (1024 threads, 16-byte loads/stores). */
+   * and per SM by the better of two copy kernels on `blocks` SMs (16-byte loads, bulk copies). */
   double (*sm_copy_bandwidth)(int blocks);
   /* What the device is, for the report (NULL: nothing to add to the host's description). */
   void (*describe)(char *text, size_t bytes);

@@ -77,9 +77,9 @@ void bench_print_table(FILE *out, const bench_env_t *env, const bench_result_t *
                "by its own constant, so a misrouted row changes the checked result): not epx's work, not in the table\n",
           r->ms[PH_STANDIN]);
   if (on_gpu(env)) {
-    fprintf(out, "GB/s/SM: bytes read + written per SM-second (%d SMs in use: %d ranks x %d); a plain copy kernel\n"
-                 "(1024 threads, 16-byte loads and stores, %d blocks) run now moves %.1f GB/s per SM: dispatch %.0f%%,\n"
-                 "combine %.0f%% of it\n",
+    fprintf(out, "GB/s/SM: bytes read + written per SM-second (%d SMs in use: %d ranks x %d); the better of two copy\n"
+                 "kernels on %d blocks (16-byte loads, 4 in flight per thread; bulk copies through 24 KB stages) run now\n"
+                 "moves %.1f GB/s per SM: dispatch %.0f%%, combine %.0f%% of it\n",
             r->sms_in_use, o->ranks, o->num_sms, r->sms_in_use, r->sm_copy_bw * 1e-9,
             100.0 * per_sm(r, PH_DISPATCH) / (r->sm_copy_bw * 1e-9), 100.0 * per_sm(r, PH_COMBINE) / (r->sm_copy_bw * 1e-9));
     const double dl = r->nvlink_ms[PH_DISPATCH], cl = r->nvlink_ms[PH_COMBINE];

@@ -11,7 +11,7 @@ Each input holds one run, one sweep, or lines of either (gpu_check's bench.jsonl
 plotted against tokens: the bytes each phase reads and writes in memory per second, all ranks
 of the emulated group together, with the device's copy bandwidth as the floor; when the ranks
 were on one GPU each, the busiest GPU's link bytes per second with NVLink's 450 GB/s instead.
-Against SMs: bytes read + written per SM-second, with the plain copy kernel's figure measured
+Against SMs: bytes read + written per SM-second, with the best copy kernel's figure measured
 by the same run. Needs matplotlib (an optional dependency: without it this says so and exits 3).
 """
 
@@ -97,7 +97,7 @@ def plot_sms(ax, series, phase):
         ref.update({x: r["sm_copy_gbps_per_sm"] for x, r in pts})
     if ref:
         xs = sorted(ref)
-        ax.plot(xs, [ref[x] for x in xs], color="black", linestyle=":", label="plain copy kernel (per-SM floor)")
+        ax.plot(xs, [ref[x] for x in xs], color="black", linestyle=":", label="best copy kernel (per-SM floor)")
     ax.set_xticks(sorted(ref))
     ax.set_xlabel("SMs per rank")
     ax.set_ylabel("GB/s per SM, read + written")
