@@ -80,6 +80,13 @@ if want bench; then
   # expert layout would need ~22 GB per rank, more than 8 ranks can have on one H200
   run bench-prefill32k      $b --tokens 32768 --iters 5
   run bench-prefill32k-a2a  $b --tokens 32768 --iters 5 --mode a2a
+  # where the SMs bind (2 per rank, 16 in all): bytes per SM-second against the copy kernels
+  run bench-sm2-token       $b --tokens 4096 --iters 10 --num-sms 2 --check
+  run bench-sm2-expert      $b --tokens 4096 --iters 10 --num-sms 2 --layout expert --align 128 --check
+  run bench-sm2-fp8         $b --tokens 4096 --iters 10 --num-sms 2 --dtype fp8 --layout expert --align 128 --check
+  run bench-ep2-sm8         $b --ranks 2 --tokens 4096 --iters 10 --num-sms 8 --check
+  # the per-token dispatch the pipelined one replaced on sm_90, same run
+  run bench-ds3-token-per-token env EPX_HT_PIPELINED=0 $b --tokens 4096 --iters 10
   run bench-ll128           $b --tokens 128 --iters 50 --mode ll --graph --check
   run bench-ll128-fp8       $b --tokens 128 --iters 50 --mode ll --dtype fp8 --graph --check
   run bench-ll128-ht        $b --tokens 128 --iters 50 --layout expert --graph --check
@@ -132,7 +139,7 @@ if asked sanitize; then
   cs="env EPX_TEST_TIMEOUT_MS=120000 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20"
   run sanitize-graph-ht timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ht 3
   run sanitize-graph-ll timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ll 3
-  run sanitize-match timeout 300 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21}
+  run sanitize-match timeout 300 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21,25}
 fi
 # The same bench shapes on two builds, alternating, so drift of the GPU's clocks hits both
 if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
