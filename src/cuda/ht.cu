@@ -278,10 +278,15 @@ extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g,
   return (int)cudaGetLastError();
 }
 
-/* Loads the kernels; the pipelined one is allowed its shared memory here, once per device. */
+/* Loads the kernels (on the current device); the pipelined one is allowed its shared memory
+ * here, once per device, on the devices that run it (an sm_80 GPU has less to give). */
 extern "C" int epxc_preload_ht(size_t *stack) {
-  cudaError_t e = cudaFuncSetAttribute((const void *)dispatch_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)bulk_smem_bytes());
+  int dev = 0, major = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess && major >= 9)
+    e = cudaFuncSetAttribute((const void *)dispatch_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)bulk_smem_bytes());
   if (e != cudaSuccess) return (int)e;
   const void *const kernels[] = {
       (const void *)dispatch_bulk_kernel,
