@@ -41,7 +41,7 @@ typedef struct {
 } bulk_warp_t;
 
 static_assert(EPXC_BULK_BATCH == EPXC_WARP, "a batch is a bitmap word: a lane describes each job");
-static_assert(EPXC_BULK_STAGE_BYTES % 256 == 0, "stages hold whole 8-channel groups of every lane");
+static_assert(EPXC_BULK_STAGE_BYTES % 16 == 0, "bulk copies move whole 16-byte units");
 static_assert(EPXC_BULK_STAGES >= 2, "the ring loads ahead of the stage it consumes");
 
 static size_t bulk_smem_bytes(void) { return sizeof(bulk_warp_t) * EPXC_BULK_WARPS; }
