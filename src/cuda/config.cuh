@@ -38,10 +38,10 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 
 /* ---- bulk copies (bulk.cuh) -------------------------------------------------------------- */
 
-/* A block of the pipelined kernels: warps that each own a ring of stages. 8 x 3 x 7 KB keeps
- * about 112 KB of loads in flight per SM (the ~100 KB one SM needs to reach its limit), and
- * with the warps' job tables fills the 227 KB of shared memory: one block per SM. 7 KB is
- * half a DeepSeek-V3 bf16 row (H 7168). */
+/* A block of the pipelined kernels: warps that each own a ring of stages. 8 warps, each
+ * loading 2 of its 3 stages of 7 KB ahead, keep about 112 KB of loads in flight per SM (the
+ * ~100 KB one SM needs to reach its limit); with the warps' job tables they fill the 227 KB of
+ * shared memory: one block per SM. 7 KB is half a DeepSeek-V3 bf16 row (H 7168). */
 #define EPXC_BULK_WARPS 8
 #define EPXC_BULK_STAGES 3
 #define EPXC_BULK_STAGE_BYTES 7168

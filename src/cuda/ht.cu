@@ -243,6 +243,7 @@ static combine_kernel_t reduce_token_of(epx_dtype_t y, epx_dtype_t out) {
   if (y == EPX_FLOAT32) return out == EPX_FLOAT32 ? reduce_token_kernel<EPX_FLOAT32, EPX_FLOAT32> : reduce_token_kernel<EPX_FLOAT32, EPX_BFLOAT16>;
   return out == EPX_FLOAT32 ? reduce_token_kernel<EPX_BFLOAT16, EPX_FLOAT32> : reduce_token_kernel<EPX_BFLOAT16, EPX_BFLOAT16>;
 }
+
 /* ---- launches --------------------------------------------------------------------------- */
 
 /* The rule. Dispatch: on devices with the bulk-copy engine (sm_90), rows that arrive as they
