@@ -1,10 +1,13 @@
 /* TCP bootstrap of a cross-process group, NCCL style.
  *
- * epx_get_unique_id opens a listener on the loopback address and serves it from a detached
- * thread; the id carries (address, port, pid, a 32-byte random secret). The id is the
- * group's only credential: a process that holds it can join the group as a missing rank
- * (and then read what the group exchanges), or make the group fail by joining as a rank
- * twice. Without it, a process can neither join nor stop the group from forming:
+ * epx_get_unique_id opens a listener and serves it from a detached thread; the id carries
+ * (address, port, pid, a 32-byte random secret). The address is this process's choice
+ * (socket_address): EPX_BOOTSTRAP_ADDR, else the IPv4 address of the interface EPX_SOCKET_IFNAME,
+ * else the loopback address; a rank connects from its own choice, so ranks on several hosts
+ * (or, for tests, on several loopback addresses) meet at one listener. The id is the group's
+ * only credential: a process that holds it can join the group as a missing rank (and then
+ * read what the group exchanges), or make the group fail by joining as a rank twice. Without
+ * it, a process can neither join nor stop the group from forming:
  *
  *   handshake  the server sends every new connection a random nonce; the client answers
  *              with HMAC-SHA256(secret, nonce, its own nonce, rank, size, pid) and the
@@ -16,16 +19,23 @@
  *              real rank whose connection went that way connects again (within its
  *              deadline), so a flood of silent connections delays a rank by a retry, not
  *              the group by a timeout.
- *   users      connections from another user's sockets (/proc/net/tcp) are dropped at once:
- *              other users get no pending slots at all.
+ *   users      connections from another user's sockets on this host (sock_diag or
+ *              /proc/net/tcp) are dropped at once: other users get no pending slots at all.
+ *              A connection from another host has no user this host can see: it must prove
+ *              the secret like any other.
  *
- * After the handshake a rank makes a few exchanges: it sends its bytes, the server waits for
- * every rank's and sends all of them back, rank-major. The server checks what the ranks say
- * (one size, no rank twice), names the ranks that never joined when its deadline passes
- * (EPX_TIMEOUT_MS after the last progress), and ends when every rank has hung up. Only
- * loopback addresses are ever contacted. */
+ * After the handshake a rank makes exchanges: it sends its bytes, the server waits for every
+ * rank's and sends all of them back, rank-major. The server checks what the ranks say (one
+ * size, no rank twice) and names the ranks that never joined, or never came to an exchange
+ * others are in, when its deadline passes (EPX_TIMEOUT_MS after the last progress; a group
+ * between exchanges waits for nothing). A rank ends with a goodbye before it hangs up; one
+ * that hangs up without it (its process, or its host, is gone) fails the group at once: every
+ * rank waiting in an exchange, and every later one, gets EPX_ERR_PEER_LOST naming it. That is
+ * how ranks on other hosts learn of a loss: their connections are the only thing they share.
+ * The server ends when every rank has hung up. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
 #include <linux/sock_diag.h>
@@ -55,6 +65,7 @@
 #define MAX_EXCHANGE_BYTES (1u << 20)
 #define SECRET_BYTES 32
 #define NONCE_BYTES 16
+#define GOODBYE_ROUND (-1)    /* a request of this round: the rank is done, and hangs up next */
 
 typedef struct {
   char tag[8];
@@ -264,7 +275,7 @@ typedef struct {
   int fd[EPX_MAX_RANKS];
   request_t req[EPX_MAX_RANKS];
   size_t req_got[EPX_MAX_RANKS], data_got[EPX_MAX_RANKS];
-  bool joined[EPX_MAX_RANKS], closed[EPX_MAX_RANKS];
+  bool joined[EPX_MAX_RANKS], closed[EPX_MAX_RANKS], goodbye[EPX_MAX_RANKS];
   int nranks, njoined, nclosed;
   int local_rank;           /* the rank in this process, answered last: once it has its answer, */
                             /* the process may exit and take this thread with it */
@@ -340,17 +351,22 @@ static void server_drop_rank(server_t *s, int r) {
   s->nclosed++;
 }
 
-/* A rank hung up (or garbled its message). Fine after its last exchange; not while others
- * need it. */
+/* A rank hung up (or garbled its message). Fine after its goodbye, unless others wait for it
+ * in an exchange; a failure otherwise. */
 static void rank_hung_up(server_t *s, int r, bool mid_message) {
+  const bool awaited = s->nhave > 0 && !s->have[r];
   server_drop_rank(s, r);
   if (s->njoined < s->nranks)
     server_fail(s, -1, EPX_ERR_PEER_LOST, "rank %d left the bootstrap before every rank had joined", r);
   else if (mid_message)
     server_fail(s, -1, EPX_ERR_PEER_LOST, "rank %d left the bootstrap in the middle of exchange %d", r, s->round);
-  else if (s->nhave > 0 && !s->have[r])
+  else if (awaited)
     server_fail(s, -1, EPX_ERR_PEER_LOST, "rank %d left the bootstrap during exchange %d (its process exited?)", r,
                 s->round);
+  else if (!s->goodbye[r])
+    server_fail(s, -1, EPX_ERR_PEER_LOST,
+                "rank %d left the group without its goodbye, after exchange %d (its process, or its host, is gone)", r,
+                s->round - 1);
 }
 
 /* A rank's request header is in: checks it against the exchange in progress. */
@@ -419,6 +435,11 @@ static void server_rank_input(server_t *s, int r) {
       if (k <= 0) return;
       s->req_got[r] += (size_t)k;
       if (s->req_got[r] < sizeof(request_t)) continue;
+      if (s->req[r].msg_magic == MSG_MAGIC && s->req[r].rank == r && s->req[r].round == GOODBYE_ROUND) {
+        s->goodbye[r] = true; /* what follows is its hang-up */
+        s->req_got[r] = 0;
+        continue;
+      }
       if (!check_request(s, r)) return;
     }
     size_t want = (size_t)s->bytes - s->data_got[r];
@@ -616,6 +637,8 @@ static void *server_main(void *arg) {
       s->listener = -1;
       while (s->npending > 0) drop_pending(s, 0, true);
     }
+    if (!s->failed && s->nranks > 0 && s->njoined == s->nranks && s->nhave == 0)
+      deadline = now_ms() + s->timeout_ms; /* between exchanges the group waits for nobody */
     const int64_t wake = expire_pending(s, deadline); /* before the list: it removes entries */
     int n = 0;
     if (s->listener >= 0) pf[n] = (struct pollfd){.fd = s->listener, .events = POLLIN}, who[n++] = -1;
@@ -649,9 +672,47 @@ static void *server_main(void *arg) {
   return NULL;
 }
 
+/* ---- addresses ------------------------------------------------------------------------ */
+
+/* The address this process's bootstrap sockets use: EPX_BOOTSTRAP_ADDR (an IPv4 address), else
+ * the first IPv4 address of the interface EPX_SOCKET_IFNAME, else the loopback address
+ * (*chosen false). Read at each call, not once: it is where this process is, not a setting
+ * of the group. */
+static epx_status_t socket_address(struct in_addr *out, bool *chosen, const char *who) {
+  const char *addr = getenv("EPX_BOOTSTRAP_ADDR"), *ifname = getenv("EPX_SOCKET_IFNAME");
+  *chosen = true;
+  if (addr && *addr) {
+    if (inet_pton(AF_INET, addr, out) != 1)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: EPX_BOOTSTRAP_ADDR=%s is not an IPv4 address", who, addr);
+    return EPX_SUCCESS;
+  }
+  if (ifname && *ifname) {
+    struct ifaddrs *all;
+    if (getifaddrs(&all) != 0)
+      return epxi_fail(EPX_ERR_SYSTEM, "%s: getifaddrs (for EPX_SOCKET_IFNAME=%s): %s", who, ifname, strerror(errno));
+    bool found = false;
+    for (const struct ifaddrs *i = all; i && !found; i = i->ifa_next)
+      if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && !strcmp(i->ifa_name, ifname)) {
+        *out = ((const struct sockaddr_in *)i->ifa_addr)->sin_addr;
+        found = true;
+      }
+    freeifaddrs(all);
+    if (!found)
+      return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "%s: EPX_SOCKET_IFNAME=%s names no interface with an IPv4 address",
+                       who, ifname);
+    return EPX_SUCCESS;
+  }
+  *chosen = false;
+  out->s_addr = htonl(INADDR_LOOPBACK);
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_get_unique_id(epx_unique_id_t *id) {
   epxi_clear_error();
   if (!id) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_get_unique_id: id is NULL");
+  struct in_addr where;
+  bool chosen;
+  EPX_CHECK(socket_address(&where, &chosen, "epx_get_unique_id"));
   server_t *s = calloc(1, sizeof *s);
   if (!s) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "epx_get_unique_id");
   if (random_bytes(s->secret, sizeof s->secret) != 0) {
@@ -664,14 +725,16 @@ epx_status_t epx_get_unique_id(epx_unique_id_t *id) {
     free(s);
     return epxi_fail(EPX_ERR_SYSTEM, "epx_get_unique_id: socket: %s", strerror(errno));
   }
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = where};
   socklen_t alen = sizeof a;
   if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 1024) != 0 ||
       getsockname(fd, (struct sockaddr *)&a, &alen) != 0) {
     int e = errno;
     close(fd);
     free(s);
-    return epxi_fail(EPX_ERR_SYSTEM, "epx_get_unique_id: could not listen on the loopback address: %s", strerror(e));
+    char text[INET_ADDRSTRLEN];
+    return epxi_fail(EPX_ERR_SYSTEM, "epx_get_unique_id: could not listen on %s%s: %s",
+                     inet_ntop(AF_INET, &where, text, sizeof text), chosen ? "" : " (the loopback address)", strerror(e));
   }
   s->listener = fd;
   s->timeout_ms = epxi_env()->timeout_ms;
@@ -712,6 +775,7 @@ struct epxi_bootstrap {
   int fd;
   int rank, nranks, round, timeout_ms;
   uint16_t port;
+  char at[INET_ADDRSTRLEN + 8]; /* the listener, "address:port", for messages */
 };
 
 /* An error reply: the failure, in the server's words. */
@@ -728,11 +792,11 @@ static epx_status_t reply_error(epxi_bootstrap_t *b, const reply_t *r) {
 static epx_status_t read_reply(epxi_bootstrap_t *b, reply_t *r, int64_t deadline) {
   int rc = io_full(b->fd, r, sizeof *r, deadline, false);
   if (rc == 0)
-    return epxi_fail(EPX_ERR_TIMEOUT, "rank %d, bootstrap: no answer from the listener at 127.0.0.1:%d within %d ms (exchange %d)",
-                     b->rank, b->port, b->timeout_ms + CLIENT_GRACE_MS, b->round);
+    return epxi_fail(EPX_ERR_TIMEOUT, "rank %d, bootstrap: no answer from the listener at %s within %d ms (exchange %d)",
+                     b->rank, b->at, b->timeout_ms + CLIENT_GRACE_MS, b->round);
   if (rc < 0 || r->msg_magic != MSG_MAGIC)
-    return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: the listener at 127.0.0.1:%d hung up (exchange %d)",
-                     b->rank, b->port, b->round);
+    return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: the listener at %s hung up (exchange %d)",
+                     b->rank, b->at, b->round);
   return r->status != 0 ? reply_error(b, r) : EPX_SUCCESS;
 }
 
@@ -740,8 +804,8 @@ static epx_status_t read_reply(epxi_bootstrap_t *b, reply_t *r, int64_t deadline
  * was full): the caller connects again. */
 static epx_status_t dropped(epxi_bootstrap_t *b, bool *retry) {
   *retry = true;
-  return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: the listener at 127.0.0.1:%d hung up before the handshake ended",
-                   b->rank, b->port);
+  return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: the listener at %s hung up before the handshake ended",
+                   b->rank, b->at);
 }
 
 /* The handshake on a fresh connection; *retry says a failure is worth another connection. */
@@ -750,12 +814,11 @@ static epx_status_t handshake(epxi_bootstrap_t *b, const id_layout_t *l, int64_t
   int rc = io_full(b->fd, &c, sizeof c, deadline, false);
   if (rc < 0) return dropped(b, retry);
   if (rc == 0)
-    return epxi_fail(EPX_ERR_TIMEOUT, "rank %d, bootstrap: the listener at 127.0.0.1:%d sent no challenge within %d ms",
-                     b->rank, b->port, b->timeout_ms);
+    return epxi_fail(EPX_ERR_TIMEOUT, "rank %d, bootstrap: the listener at %s sent no challenge within %d ms",
+                     b->rank, b->at, b->timeout_ms);
   if (c.msg_magic != MSG_MAGIC)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
-                     "rank %d, bootstrap: 127.0.0.1:%d is not an epx bootstrap listener of this version", b->rank,
-                     b->port);
+                     "rank %d, bootstrap: %s is not an epx bootstrap listener of this version", b->rank, b->at);
   hello_t h = {.msg_magic = MSG_MAGIC, .rank = b->rank, .nranks = b->nranks, .pid = (int32_t)getpid()};
   if (random_bytes(h.nonce, sizeof h.nonce) != 0)
     return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: the kernel gave no random bytes", b->rank);
@@ -766,7 +829,7 @@ static epx_status_t handshake(epxi_bootstrap_t *b, const id_layout_t *l, int64_t
   if (rc < 0) return dropped(b, retry);
   if (rc == 0 || r.msg_magic != MSG_MAGIC)
     return epxi_fail(rc == 0 ? EPX_ERR_TIMEOUT : EPX_ERR_INVALID_ARGUMENT,
-                     "rank %d, bootstrap: the listener at 127.0.0.1:%d %s", b->rank, b->port,
+                     "rank %d, bootstrap: the listener at %s %s", b->rank, b->at,
                      rc == 0 ? "did not answer the hello" : "answered the hello with garbage");
   if (r.status != 0) return reply_error(b, &r);
   uint8_t mac[EPXI_SHA256_BYTES], want[EPXI_SHA256_BYTES];
@@ -774,16 +837,29 @@ static epx_status_t handshake(epxi_bootstrap_t *b, const id_layout_t *l, int64_t
   if (r.bytes != sizeof mac || io_full(b->fd, mac, sizeof mac, deadline, false) != 1 ||
       !epxi_equal_ct(mac, want, sizeof mac))
     return epxi_fail(EPX_ERR_SYSTEM,
-                     "rank %d, bootstrap: the listener at 127.0.0.1:%d could not prove it holds the id's secret (the "
-                     "port is not the id's listener)", b->rank, b->port);
+                     "rank %d, bootstrap: the listener at %s could not prove it holds the id's secret (the "
+                     "port is not the id's listener)", b->rank, b->at);
   return EPX_SUCCESS;
 }
 
 /* One connection and its handshake; *retry as for handshake. */
 static epx_status_t connect_once(epxi_bootstrap_t *b, const id_layout_t *l, int64_t deadline, bool *retry) {
   *retry = false;
+  struct in_addr from;
+  bool chosen;
+  EPX_CHECK(socket_address(&from, &chosen, "bootstrap"));
   b->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (b->fd < 0) return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: socket: %s", b->rank, strerror(errno));
+  /* from this process's own address, when it chose one: where the listener sees it come from */
+  struct sockaddr_in own = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = from};
+  if (chosen && bind(b->fd, (struct sockaddr *)&own, sizeof own) != 0) {
+    int e = errno;
+    close(b->fd);
+    b->fd = -1;
+    char text[INET_ADDRSTRLEN];
+    return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: could not bind to this process's address %s: %s", b->rank,
+                     inet_ntop(AF_INET, &from, text, sizeof text), strerror(e));
+  }
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = l->port, .sin_addr.s_addr = l->addr};
   int rc;
   do rc = connect(b->fd, (struct sockaddr *)&a, sizeof a);
@@ -793,9 +869,9 @@ static epx_status_t connect_once(epxi_bootstrap_t *b, const id_layout_t *l, int6
     close(b->fd);
     b->fd = -1;
     return epxi_fail(e == ECONNREFUSED ? EPX_ERR_PEER_LOST : EPX_ERR_SYSTEM,
-                     "rank %d, bootstrap: could not reach the listener of the id at 127.0.0.1:%d: %s (the process "
+                     "rank %d, bootstrap: could not reach the listener of the id at %s: %s (the process "
                      "that made the id exited, or its group already formed or timed out)",
-                     b->rank, (int)ntohs(l->port), strerror(e));
+                     b->rank, b->at, strerror(e));
   }
   int one = 1;
   setsockopt(b->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -815,20 +891,20 @@ epx_status_t epxi_bootstrap_connect(const epx_unique_id_t *id, int rank, int nra
   if (memcmp(l.tag, ID_TAG, sizeof l.tag) != 0)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "rank %d: the id is not an epx unique id (make it with epx_get_unique_id)",
                      rank);
-  if ((ntohl(l.addr) >> 24) != 127)
-    return epxi_fail(EPX_ERR_INVALID_ARGUMENT,
-                     "rank %d: the id names a non-loopback address; epx bootstraps on this host only", rank);
   epxi_bootstrap_t *b = calloc(1, sizeof *b);
   if (!b) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap");
   b->rank = rank, b->nranks = nranks, b->timeout_ms = timeout_ms, b->port = ntohs(l.port), b->fd = -1;
+  char text[INET_ADDRSTRLEN];
+  struct in_addr listener = {.s_addr = l.addr};
+  snprintf(b->at, sizeof b->at, "%s:%d", inet_ntop(AF_INET, &listener, text, sizeof text), (int)b->port);
   const int64_t deadline = now_ms() + timeout_ms;
   bool retry;
   epx_status_t s;
   for (int attempt = 1; (s = connect_once(b, &l, deadline, &retry)) != EPX_SUCCESS && retry; attempt++) {
     if (now_ms() >= deadline) {
       s = epxi_fail(EPX_ERR_TIMEOUT,
-                    "rank %d, bootstrap: the listener at 127.0.0.1:%d dropped this rank's connection %d times before "
-                    "its handshake ended (flooded by other connections?)", rank, b->port, attempt);
+                    "rank %d, bootstrap: the listener at %s dropped this rank's connection %d times before "
+                    "its handshake ended (flooded by other connections?)", rank, b->at, attempt);
       break;
     }
     nap_ms(attempt < 20 ? attempt : 20);
@@ -847,7 +923,7 @@ static epx_status_t send_failed(epxi_bootstrap_t *b) {
   reply_t r = {0};
   epx_status_t s = read_reply(b, &r, now_ms() + 500);
   if (s != EPX_SUCCESS && r.msg_magic == MSG_MAGIC && r.status != 0) return s;
-  return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: the listener at 127.0.0.1:%d hung up", b->rank, b->port);
+  return epxi_fail(EPX_ERR_PEER_LOST, "rank %d, bootstrap: the listener at %s hung up", b->rank, b->at);
 }
 
 epx_status_t epxi_bootstrap_exchange(const void *mine, void *all, size_t bytes, void *ctx) {
@@ -867,8 +943,13 @@ epx_status_t epxi_bootstrap_exchange(const void *mine, void *all, size_t bytes, 
   return EPX_SUCCESS;
 }
 
+/* The goodbye first (unanswered, best effort): a hang-up without it fails the group. */
 void epxi_bootstrap_close(epxi_bootstrap_t *b) {
   if (!b) return;
-  close(b->fd);
+  if (b->fd >= 0) {
+    request_t q = {.msg_magic = MSG_MAGIC, .rank = b->rank, .round = GOODBYE_ROUND, .bytes = 0};
+    io_full(b->fd, &q, sizeof q, now_ms() + 1000, true);
+    close(b->fd);
+  }
   free(b);
 }
