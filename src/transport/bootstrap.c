@@ -776,6 +776,8 @@ struct epxi_bootstrap {
   int rank, nranks, round, timeout_ms;
   uint16_t port;
   char at[INET_ADDRSTRLEN + 8]; /* the listener, "address:port", for messages */
+  struct in_addr from;          /* this process's own address, when it chose one (own_address) */
+  bool own_address;
 };
 
 /* An error reply: the failure, in the server's words. */
@@ -845,20 +847,17 @@ static epx_status_t handshake(epxi_bootstrap_t *b, const id_layout_t *l, int64_t
 /* One connection and its handshake; *retry as for handshake. */
 static epx_status_t connect_once(epxi_bootstrap_t *b, const id_layout_t *l, int64_t deadline, bool *retry) {
   *retry = false;
-  struct in_addr from;
-  bool chosen;
-  EPX_CHECK(socket_address(&from, &chosen, "bootstrap"));
   b->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (b->fd < 0) return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: socket: %s", b->rank, strerror(errno));
   /* from this process's own address, when it chose one: where the listener sees it come from */
-  struct sockaddr_in own = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = from};
-  if (chosen && bind(b->fd, (struct sockaddr *)&own, sizeof own) != 0) {
+  struct sockaddr_in own = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = b->from};
+  if (b->own_address && bind(b->fd, (struct sockaddr *)&own, sizeof own) != 0) {
     int e = errno;
     close(b->fd);
     b->fd = -1;
     char text[INET_ADDRSTRLEN];
     return epxi_fail(EPX_ERR_SYSTEM, "rank %d, bootstrap: could not bind to this process's address %s: %s", b->rank,
-                     inet_ntop(AF_INET, &from, text, sizeof text), strerror(e));
+                     inet_ntop(AF_INET, &b->from, text, sizeof text), strerror(e));
   }
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = l->port, .sin_addr.s_addr = l->addr};
   int rc;
@@ -894,6 +893,12 @@ epx_status_t epxi_bootstrap_connect(const epx_unique_id_t *id, int rank, int nra
   epxi_bootstrap_t *b = calloc(1, sizeof *b);
   if (!b) return epxi_fail(EPX_ERR_OUT_OF_MEMORY, "bootstrap");
   b->rank = rank, b->nranks = nranks, b->timeout_ms = timeout_ms, b->port = ntohs(l.port), b->fd = -1;
+  epx_status_t where = socket_address(&b->from, &b->own_address, "bootstrap"); /* once, not per attempt */
+  if (where != EPX_SUCCESS) {
+    memset(&l, 0, sizeof l);
+    free(b);
+    return where;
+  }
   char text[INET_ADDRSTRLEN];
   struct in_addr listener = {.s_addr = l.addr};
   snprintf(b->at, sizeof b->at, "%s:%d", inet_ntop(AF_INET, &listener, text, sizeof text), (int)b->port);
