@@ -311,3 +311,80 @@ void tu_refused_args(void *buf, int64_t cap, epx_dispatch_args_t *da, epx_combin
   ca->y_dtype = ca->out_dtype = EPX_FLOAT32;
   ca->y = buf, ca->out = buf;
 }
+
+/* ---- special values ------------------------------------------------------------------- */
+/* NaNs with payloads (quiet, signalling, negative), the canonical NaN, infinities, -0.0,
+ * subnormals, values past e4m3's range (448) and past bf16's largest finite value. */
+static const uint32_t f32_specials[] = {0x7fc01234u, 0xffc00001u, 0x7f800001u, 0x7fffffffu, 0x7f800000u, 0xff800000u,
+                                        0x80000000u, 0x00000001u, 0x807fffffu, 0x43f00000u /* 480 */,
+                                        0xc8927c00u /* -3e5 */, 0x7f7fffffu};
+static const uint16_t bf16_specials[] = {0x7fc1u, 0xffa5u, 0x7f81u, 0x7fffu, 0x7f80u, 0xff80u, 0x8000u,
+                                         0x0001u, 0x807fu, 0x43f0u /* 480 */, 0xc893u, 0x7f7fu};
+#define NSPECIALS ((int)(sizeof f32_specials / sizeof *f32_specials))
+_Static_assert(sizeof bf16_specials / sizeof *bf16_specials == sizeof f32_specials / sizeof *f32_specials,
+               "one special of each kind in either type");
+
+void tu_add_specials(tu_rng_t *g, epx_dtype_t t, void *base, int64_t n, int rate) {
+  for (int64_t i = 0; i < n; i++) {
+    if (tu_int(g, 0, rate - 1)) continue;
+    const int k = tu_int(g, 0, NSPECIALS - 1);
+    if (t == EPX_FLOAT32)
+      memcpy((float *)base + i, &f32_specials[k], 4);
+    else
+      ((uint16_t *)base)[i] = bf16_specials[k];
+  }
+}
+
+void tu_moe_add_specials(tu_moe_t *m, tu_rng_t *g, int rate) {
+  for (int r = 0; r < m->R; r++) {
+    tu_add_specials(g, m->x_dtype, m->x[r], m->T[r] * m->H, rate);
+    if (m->w[r]) tu_add_specials(g, EPX_FLOAT32, m->w[r], m->T[r] * m->K, rate);
+  }
+}
+
+void tu_count_specials(epx_dtype_t t, const void *base, int64_t n, tu_specials_t *c) {
+  memset(c, 0, sizeof *c);
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u; /* as float32 bits: bf16 widened, which keeps every kind */
+    if (t == EPX_FLOAT32) {
+      memcpy(&u, (const float *)base + i, 4);
+    } else {
+      const uint16_t b = ((const uint16_t *)base)[i];
+      if (b == 0x7fffu) { /* widened it would look like a payload */
+        c->nan_canonical++;
+        continue;
+      }
+      u = (uint32_t)b << 16;
+    }
+    const uint32_t mag = u & 0x7fffffffu;
+    if (mag > 0x7f800000u) {
+      if (u == 0x7fffffffu)
+        c->nan_canonical++;
+      else
+        c->nan_payload++;
+    } else if (mag == 0x7f800000u) {
+      c->inf++;
+    } else if (u == 0x80000000u) {
+      c->neg_zero++;
+    } else if (mag != 0 && mag < 0x00800000u) {
+      c->subnormal++;
+    } else if (mag > 0x43e00000u) { /* 448 */
+      c->past_e4m3++;
+    }
+  }
+}
+
+int64_t tu_specials_total(const tu_specials_t *c) {
+  return c->nan_payload + c->nan_canonical + c->inf + c->neg_zero + c->subnormal + c->past_e4m3;
+}
+
+int tu_check_specials_at(const char *file, int line, const char *what, const tu_specials_t *c) {
+  const int ok = c->nan_payload > 0 && c->inf > 0 && c->neg_zero > 0 && c->subnormal > 0 && c->past_e4m3 > 0;
+  if (ok)
+    check_pass();
+  else
+    check_fail(file, line, "every kind of special value", "%s: NaN payloads %lld, infinities %lld, -0.0 %lld, subnormals %lld, past e4m3 %lld",
+               what, (long long)c->nan_payload, (long long)c->inf, (long long)c->neg_zero, (long long)c->subnormal,
+               (long long)c->past_e4m3);
+  return ok;
+}

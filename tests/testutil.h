@@ -4,6 +4,7 @@
  *   tu_world_t        a host world and one comm per rank (comm init from rank threads)
  *   tu_barrier_*      a barrier of the test's own between rank threads
  *   tu_pipe_run       notify / dispatch / stand-in experts / combine on every rank
+ *   tu_add_specials   special values sprinkled into a call's floating inputs, and their census
  */
 #ifndef EPX_TESTUTIL_H
 #define EPX_TESTUTIL_H
@@ -92,5 +93,32 @@ void tu_refused_args(void *buf, int64_t cap, epx_dispatch_args_t *da, epx_combin
 /* Whether the group of w still works: a fresh random pipeline (new handles, HT expert layout,
  * combine) on every rank, checked against the dense reference. Returns 0 when it did. */
 int tu_world_usable(const char *what, tu_world_t *w, int E, int H, int K);
+
+/* ---- special values (docs/design.md, "Arithmetic, exactly": NaN) -------------------- */
+/* Overwrites about one in `rate` of the n elements at base (float32 or bf16) with a special
+ * value drawn from g: a NaN with a payload (quiet, signalling, negative), the canonical NaN,
+ * an infinity, -0.0, a subnormal, a value past e4m3's range (448) or bf16's largest finite
+ * value. */
+void tu_add_specials(tu_rng_t *g, epx_dtype_t t, void *base, int64_t n, int rate);
+/* The same into every rank's tokens and, when m has them, its routing weights: legal inputs
+ * (the routing check refuses expert ids, never weights) that feed scale_by_probs and the
+ * weighted combine as arithmetic, recv_topk_weights and recv_probs as copies. Call it before
+ * tu_moe_make_map, which takes the probs from the weights. */
+void tu_moe_add_specials(tu_moe_t *m, tu_rng_t *g, int rate);
+
+/* How many elements of a float32 or bf16 buffer are special, by kind. */
+typedef struct {
+  int64_t nan_payload;   /* NaNs other than the canonical one of the type */
+  int64_t nan_canonical; /* float32 0x7FFFFFFF, bf16 0x7FFF */
+  int64_t inf, neg_zero, subnormal;
+  int64_t past_e4m3;     /* finite, |v| > 448 */
+} tu_specials_t;
+void tu_count_specials(epx_dtype_t t, const void *base, int64_t n, tu_specials_t *c);
+int64_t tu_specials_total(const tu_specials_t *c);
+/* CHECKs, naming the caller's line, that a buffer given to tu_add_specials holds NaN payloads,
+ * infinities, -0.0, subnormals and values past e4m3's range: that the inputs really are
+ * special. Returns 1 when it does. */
+#define tu_check_specials(...) tu_check_specials_at(TU_HERE, __VA_ARGS__)
+int tu_check_specials_at(const char *file, int line, const char *what, const tu_specials_t *c);
 
 #endif /* EPX_TESTUTIL_H */

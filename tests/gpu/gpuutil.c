@@ -17,9 +17,11 @@ const char *gu_case_str(const gu_case_t *c) {
   static _Thread_local char buf[256];
   static const char *const algo[] = {"ht", "ll", "a2a"}, *const form[] = {"topk32", "topk64", "map", "mixed"};
   static const char *const route[] = {"", " route=one-expert", " route=one-rank"};
-  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s", c->R,
+  char specials[32] = "";
+  if (c->specials) snprintf(specials, sizeof specials, " specials=1/%d", c->specials);
+  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s%s", c->R,
            c->E, c->H, c->K, (long long)c->T[0], algo[c->algo], c->layout == EPX_LAYOUT_EXPERT ? "expert" : "token",
-           c->align, tu_dtype(c->x_dtype), tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route]);
+           c->align, tu_dtype(c->x_dtype), tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route], specials);
   return buf;
 }
 
@@ -44,6 +46,9 @@ void gu_inputs_make(gu_inputs_t *in, const gu_case_t *c) {
   if (c->route == GU_ROUTE_ONE_EXPERT) o.one_expert = c->E / 2;
   if (c->route == GU_ROUTE_ONE_RANK) o.span_lo = c->E - c->E / c->R, o.span_hi = c->E;
   tu_moe_random(&in->m, &tu_rng, c->R, c->E, c->H, c->K, c->x_dtype, c->T, &o, 1);
+  /* Every draw for special values comes after a case's other draws, and only in cases that
+   * ask: the other cases get the inputs they always got. */
+  if (c->specials) tu_moe_add_specials(&in->m, &tu_rng, c->specials); /* x, weights (so probs) */
   if (c->form == TU_FORM_MAP) tu_moe_make_map(&in->m);
   for (int r = 0; r < c->R; r++) {
     const int64_t cap = rows_needed(c, &in->m, r);
@@ -51,6 +56,10 @@ void gu_inputs_make(gu_inputs_t *in, const gu_case_t *c) {
     for (int64_t i = 0; i < c->T[r] * c->H; i++) tu_store(c->x_dtype, in->x2[r], (size_t)i, tu_value(&tu_rng));
     in->g[r] = malloc(sizeof(float) * (size_t)(cap * g_per_row(c) + 1));
     for (int64_t i = 0; i < cap * g_per_row(c); i++) in->g[r][i] = tu_value(&tu_rng);
+    if (!c->specials) continue;
+    tu_add_specials(&tu_rng, c->x_dtype, in->x2[r], c->T[r] * c->H, c->specials);
+    tu_add_specials(&tu_rng, EPX_FLOAT32, in->g[r], cap * g_per_row(c), c->specials);
+    in->y_rng[r] = tu_rng_stream(tu_u64(&tu_rng), (uint64_t)r);
   }
 }
 
@@ -201,6 +210,11 @@ static epx_status_t rank_main(int r, void *arg) {
     else
       tu_expert_token_layout(r, L, H, K, info.num_recv_tokens, c->recv_dtype, res->recv_x[r], res->scales[r],
                              res->recv_idx[r], res->recv_w[r], c->x_dtype, res->y[r]);
+    if (c->specials) { /* y's own: a bf16 stand-in's NaNs are all canonical, and the sums must
+                          meet payloads, infinities and -0.0 in either type */
+      tu_rng_t g = run->in->y_rng[r];
+      tu_add_specials(&g, c->x_dtype, res->y[r], res->cap[r] * H, c->specials);
+    }
   }
 
   epx_combine_args_t cb;

@@ -5,7 +5,8 @@
  * The sequence, on every rank:
  *   notify (routing in the case's form)          exact sizes or sync-free
  *   dispatch (routing NULL: the plan)            -> recv_x, scales, recv_idx / recv_w, probs, cnt, nrows
- *   [host only] stand-in experts on recv_x       -> y (the CUDA run gets the host's y)
+ *   [host only] stand-in experts on recv_x       -> y (the CUDA run gets the host's y),
+ *                                                   special values added when the case asks
  *   combine(y, weighted as the layout wants)     -> out
  *   combine(y, weighted 0, row_weight_grad = g)  -> out2, wgrad       (dispatch's gradient)
  *   dispatch replay of x2, scale_by_probs        -> recv2             (combine's gradient)
@@ -32,6 +33,9 @@ typedef struct {
   int64_t T[TU_MAX_RANKS];
   int num_sms;
   gu_route_t route;
+  int specials; /* > 0: about one element in `specials` of every floating input is a special
+                   value (tu_add_specials): x, the routing weights, x2, g, and the y that the
+                   host's stand-in experts hand to both runs */
 } gu_case_t;
 
 /* A row of a test's case table, and the case it makes: every rank gets T tokens, or with
@@ -76,6 +80,7 @@ typedef struct {
   tu_moe_t m;
   void *x2[TU_MAX_RANKS];      /* [T, H] x_dtype: the "output gradient" replayed by dispatch */
   float *g[TU_MAX_RANKS];      /* [cap(, K)] row weight gradients */
+  tu_rng_t y_rng[TU_MAX_RANKS]; /* specials: where rank r's special values in y come from */
 } gu_inputs_t;
 
 /* Memory of either backend (cuda: device memory, else host memory), filled with TU_POISON;

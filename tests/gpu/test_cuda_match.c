@@ -1,5 +1,6 @@
 /* The CUDA backend against the host backend, bit for bit: dispatch outputs in both layouts
- * and low-latency mode, combine, and both backward passes, over fresh random routings.
+ * and low-latency mode, combine, and both backward passes, over fresh random routings; the
+ * last cases feed special values (NaN payloads, infinities, -0.0, subnormals) into every input.
  *   test_cuda_match               every case of the table
  *   test_cuda_match --list        prints the cases with their indices, runs nothing
  *   test_cuda_match 0,4 15-17     only the cases selected by index: comma-separated indices
@@ -58,14 +59,57 @@ static const struct {
     {{2, 16, 2, 2048, 32768, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM},
 };
 
+/* Special values (docs/design.md, "Arithmetic, exactly": NaN), after the skewed cases for the
+ * same reason: about one element in `specials` of every floating input the calls take (x, the
+ * routing weights or probs, x2, the row weight gradients, and y) is a NaN with a payload, the
+ * canonical NaN, an infinity, -0.0, a subnormal or a value past e4m3's range; copies must keep
+ * their bits, sums and conversions must give the host's canonical NaNs, and the fp8 quantiser
+ * must meet NaN and infinities in its amax as the host's does. Every algorithm and layout, both
+ * element types, fp8 (rows of 2880 end in a 64-channel block), float32 rows whose width is not
+ * a multiple of 8 (the one-channel tails). Sizes small enough for the host backend. */
+static const struct {
+  gu_row_t row;
+  int specials;
+} special[] = {
+    {{4, 32, 4, 2048, 256, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 0}, 64},
+    {{8, 64, 8, 2048, 128, HT, EXP, 16, BF, BF, TU_FORM_TOPK32, 0, 1}, 100},
+    {{4, 32, 4, 2052, 200, HT, EXP, 1, F32, F32, TU_FORM_MAP, 1, 0}, 50},
+    {{2, 16, 8, 4096, 128, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 1, 0}, 200},
+    {{4, 64, 8, 2880, 256, HT, TOK, 1, F32, FP8, TU_FORM_TOPK64, 0, 1}, 200},
+    {{4, 32, 8, 2048, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, 50},
+    {{2, 16, 2, 2052, 100, LL, EXP, 1, F32, F32, TU_FORM_TOPK64, 0, 0}, 128},
+    {{4, 64, 8, 2048, 128, LL, EXP, 1, BF, FP8, TU_FORM_MAP, 0, 0}, 200},
+    {{4, 32, 4, 2052, 256, A2A, TOK, 1, F32, F32, TU_FORM_TOPK32, 1, 0}, 64},
+    {{4, 32, 2, 2880, 300, A2A, EXP, 16, BF, BF, TU_FORM_MAP, 0, 1}, 100},
+    {{2, 16, 8, 4096, 128, A2A, EXP, 128, F32, FP8, TU_FORM_TOPK32, 1, 0}, 200},
+};
+
 #define NTABLE ((int)(sizeof cases / sizeof *cases))
-#define NCASES (NTABLE + (int)(sizeof skewed / sizeof *skewed))
+#define NSKEWED ((int)(sizeof skewed / sizeof *skewed))
+#define NCASES (NTABLE + NSKEWED + (int)(sizeof special / sizeof *special))
 
 static gu_case_t case_of(int i) {
   if (i < NTABLE) return gu_case_of(&cases[i], 16);
+  if (i >= NTABLE + NSKEWED) {
+    gu_case_t c = gu_case_of(&special[i - NTABLE - NSKEWED].row, 16);
+    c.specials = special[i - NTABLE - NSKEWED].specials;
+    return c;
+  }
   gu_case_t c = gu_case_of(&skewed[i - NTABLE].row, 16);
   c.route = skewed[i - NTABLE].route;
   return c;
+}
+
+/* A case with special values has them in its tokens: every kind, on some rank. */
+static void check_specials_made(const gu_case_t *c, const gu_inputs_t *in) {
+  tu_specials_t all = {0};
+  for (int r = 0; r < c->R; r++) {
+    tu_specials_t one;
+    tu_count_specials(c->x_dtype, in->m.x[r], c->T[r] * c->H, &one);
+    all.nan_payload += one.nan_payload, all.inf += one.inf, all.neg_zero += one.neg_zero;
+    all.subnormal += one.subnormal, all.past_e4m3 += one.past_e4m3;
+  }
+  tu_check_specials(gu_case_str(c), &all);
 }
 
 /* Marks the cases that one argument selects ("3", "2-5", "0,4,15-17"); 0 when it does not
@@ -99,6 +143,7 @@ static void run_case(int i) {
   tu_rng = tu_rng_stream(tu_seed, (uint64_t)i);
   gu_inputs_t in;
   gu_inputs_make(&in, &c);
+  if (c.specials) check_specials_made(&c, &in);
   gu_result_t host, dev;
   int hf = gu_run(&c, &in, EPX_BACKEND_HOST, NULL, &host);
   CHECK(!hf, "host run failed [%s]", gu_case_str(&c));
