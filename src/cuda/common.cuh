@@ -278,9 +278,11 @@ static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *t
 
 /* ---- plans -------------------------------------------------------------------------------- */
 
-/* Token t's normalised routing into the plan: ids and weights, its bits in the rank and
- * expert bitmaps (bits start cleared), and the counts. Bits and counts are atomics, so the
- * result does not depend on the order tokens are visited in. */
+/* Token t's normalised routing into the plan: ids and weights, and its bits in the rank and
+ * expert bitmaps (bits start cleared). Bits are atomics, so the result does not depend on the
+ * order tokens are visited in; the lanes here whose tokens share a bitmap word set their rank
+ * bits with one atomic per rank, not one each (a warp's 32 tokens mostly go to the same
+ * ranks). The counts are the rows' popcounts: plan_prefix writes them. */
 static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int64_t t, const int32_t *ids,
                                   const float *ws) {
   const int K = s->topk, R = s->nranks, L = s->num_local;
@@ -293,18 +295,19 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int6
     if (ids[k] < 0) continue;
     ranks |= 1ull << (ids[k] / L);
     atomicOr(&plan->exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
-    atomicAdd(&plan->counts[R + ids[k]], 1);
   }
-  for (int d = 0; d < R; d++)
-    if ((ranks >> d) & 1) {
-      atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], bit);
-      atomicAdd(&plan->counts[d], 1);
-    }
+  const unsigned word_mates = __match_any_sync(__activemask(), (unsigned long long)(t >> 5));
+  const bool leader = lane_id() == __ffs(word_mates) - 1;
+  for (int d = 0; d < R; d++) {
+    const uint32_t word = __reduce_or_sync(word_mates, ((ranks >> d) & 1) ? bit : 0u);
+    if (leader && word) atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], word);
+  }
 }
 
 /* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), by warps
- * `first`, first + step, ... of the launch. Rows of a few words (a decode step's) go a lane per
- * row, its words loaded at once: a warp per row would chain one memory round trip per row. */
+ * `first`, first + step, ... of the launch, and each row's total: the counts (tokens per rank,
+ * then pairs per expert). Rows of a few words (a decode step's) go a lane per row, its words
+ * loaded at once: a warp per row would chain one memory round trip per row. */
 static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int64_t first, int64_t step) {
   const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
   const int R = s->nranks, rows = R + s->num_experts, lane = lane_id();
@@ -321,6 +324,7 @@ static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int
         if (w < used) pre[w] = carry;
         carry += __popc(b[w]);
       }
+      plan->counts[row] = carry;
     }
     return;
   }
@@ -338,6 +342,7 @@ static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, int
       if (w < used) pre[w] = carry + inc - c;
       carry += __shfl_sync(0xffffffffu, inc, EPXC_WARP - 1);
     }
+    if (lane == 0) plan->counts[row] = carry;
   }
 }
 

@@ -23,9 +23,13 @@ static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, 
       ranks |= 1ull << (ids[k] / s.num_local);
       if (tokens_per_expert) atomicAdd(&tokens_per_expert[ids[k]], 1);
     }
+    /* the lanes here count their tokens per rank together: one atomic per rank, not per token */
+    const unsigned mates = __activemask();
+    const bool leader = lane_id() == __ffs(mates) - 1;
     for (int d = 0; d < s.nranks; d++) {
-      bool in = (ranks >> d) & 1;
-      if (tokens_per_rank && in) atomicAdd(&tokens_per_rank[d], 1);
+      const bool in = (ranks >> d) & 1;
+      const unsigned n = __reduce_add_sync(mates, in ? 1u : 0u);
+      if (tokens_per_rank && leader && n) atomicAdd(&tokens_per_rank[d], (int32_t)n);
       if (is_token_in_rank) is_token_in_rank[t * s.nranks + d] = in;
     }
   }
@@ -45,7 +49,8 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
 
 /* ---- notify ------------------------------------------------------------------------------ */
 
-/* One thread per token: normalise, validate, set bits, count. Bits and counts start zeroed. */
+/* One thread per token: normalise, validate, set bits (which start zeroed; the prefix kernel
+ * counts them). */
 static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T, const void *topk_idx,
                                     epx_dtype_t idx_dtype, const float *topk_weights, const uint8_t *map,
                                     const float *probs) {
@@ -65,13 +70,14 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
   }
 }
 
-/* Prefix popcounts of every bitmap row, a warp per row. */
-static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) { plan_prefix(&s, plan, warp_global(), warp_count()); }
-
-/* The bad-token key becomes this rank's status for the exchange. */
-static __global__ void status_kernel(epxc_plan_t *plan) {
-  uint64_t key = plan->bad_key;
-  plan->status = key == ~0ull ? EPX_SUCCESS : (int32_t)(key & 0xff);
+/* Prefix popcounts and counts of every bitmap row, a warp per row; the bad-token key the
+ * build left becomes this rank's status for the exchange. */
+static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const uint64_t key = plan->bad_key;
+    plan->status = key == ~0ull ? EPX_SUCCESS : (int32_t)(key & 0xff);
+  }
+  plan_prefix(&s, plan, warp_global(), warp_count());
 }
 
 extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host,
@@ -81,11 +87,9 @@ extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, c
   const int64_t W = plan_host->words, R = s->nranks, E = s->num_experts;
   cudaMemsetAsync(plan_host->rank_bits, 0, sizeof(uint32_t) * R * W, st);
   cudaMemsetAsync(plan_host->exp_bits, 0, sizeof(uint32_t) * E * W, st);
-  cudaMemsetAsync(plan_host->counts, 0, sizeof(int32_t) * (R + E), st);
   cudaMemsetAsync(&plan_dev->bad_key, 0xff, sizeof(uint64_t), st);
   build_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, 0, st>>>(*s, plan_dev, T, topk_idx, idx_dtype, topk_weights, map, probs);
   prefix_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, 0, st>>>(*s, plan_dev);
-  status_kernel<<<1, 1, 0, st>>>(plan_dev);
   return (int)cudaGetLastError();
 }
 
@@ -195,6 +199,6 @@ extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, 
 extern "C" int epxc_preload_layout(size_t *stack) {
   const void *const kernels[] = {
       (const void *)layout_kernel, (const void *)build_kernel, (const void *)prefix_kernel,
-      (const void *)status_kernel, (const void *)finish_kernel};
+      (const void *)finish_kernel};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

@@ -130,7 +130,6 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
   const int64_t W = plan->words, T = r->num_tokens;
   for (int64_t i = threadIdx.x; i < (int64_t)R * W; i += blockDim.x) plan->rank_bits[i] = 0;
   for (int64_t i = threadIdx.x; i < (int64_t)E * W; i += blockDim.x) plan->exp_bits[i] = 0;
-  for (int i = threadIdx.x; i < R + E; i += blockDim.x) plan->counts[i] = 0;
   const bool fits = T <= s->max_tokens;
   if (threadIdx.x == 0) {
     plan->num_tokens = fits ? T : 0; /* too many tokens: nothing of this rank is read */
