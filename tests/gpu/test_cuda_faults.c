@@ -366,14 +366,19 @@ static void pair_run(pairing_t *p, pair_out_t *o) {
   pair_collect(p, o);
 }
 
+/* Fresh random tokens and routing, PT tokens on each of PR ranks. */
+static void pair_inputs(tu_moe_t *m) {
+  int64_t T[PR];
+  for (int r = 0; r < PR; r++) T[r] = PT;
+  tu_route_opts_t o = tu_route_default();
+  tu_moe_random(m, &tu_rng, PR, E, H, K, EPX_BFLOAT16, T, &o, 1);
+}
+
 /* The same calls on both backends: the same statuses, nothing written by the unpaired call,
  * and the good calls after it bit for bit the host's. */
 static void pairing(diff_t diff, epx_algo_t algo, epx_layout_t layout, int exact) {
   tu_moe_t m;
-  int64_t T[PR];
-  for (int r = 0; r < PR; r++) T[r] = PT;
-  tu_route_opts_t o = tu_route_default();
-  tu_moe_random(&m, &tu_rng, PR, E, H, K, EPX_BFLOAT16, T, &o, 1);
+  pair_inputs(&m);
   pair_out_t got[2];
   for (int cuda = 0; cuda <= 1; cuda++) {
     pairing_t p = {.diff = diff, .cuda = cuda, .exact = exact, .algo = algo, .layout = layout, .m = &m};
@@ -431,16 +436,23 @@ static const char *const how_names[] = {"NULL handle", "another comm's handle", 
                                         "refused SEND, then COMPLETE", "late rank"};
 static const char *const call_names[] = {"epx_notify", "epx_dispatch", "epx_combine"};
 
+/* Rank r's routing, and dispatch and combine arguments writing into recv and out. */
+static epx_routing_t refusal_args(const refusal_t *p, const refuse_rank_t *b, void *recv, void *out,
+                                  pair_rank_t *pr, epx_dispatch_args_t *d, epx_combine_args_t *k) {
+  *pr = (pair_rank_t){.x = b->x, .recv = recv, .out = out};
+  const pairing_t shape = {.algo = p->algo, .layout = EPX_LAYOUT_TOKEN, .cap = p->cap};
+  pair_args(&shape, pr, d, k);
+  d->num_recv_rows = NULL;
+  return (epx_routing_t){.num_tokens = PT, .idx_dtype = EPX_INT32, .topk_idx = b->idx, .topk_weights = b->w};
+}
+
 /* A whole dispatch (with a routing) and combine into round i's buffers. */
 static void good_round(refusal_t *p, int r, epx_comm_t *comm, epx_handle_t *h, int i) {
   refuse_rank_t *b = &p->rk[r];
-  pair_rank_t pr = {.x = b->x, .recv = b->recv[i], .out = b->out[i]};
-  const pairing_t shape = {.algo = p->algo, .layout = EPX_LAYOUT_TOKEN, .cap = p->cap};
+  pair_rank_t pr;
   epx_dispatch_args_t d;
   epx_combine_args_t k;
-  pair_args(&shape, &pr, &d, &k);
-  d.num_recv_rows = NULL;
-  const epx_routing_t rt = {.num_tokens = PT, .idx_dtype = EPX_INT32, .topk_idx = b->idx, .topk_weights = b->w};
+  const epx_routing_t rt = refusal_args(p, b, b->recv[i], b->out[i], &pr, &d, &k);
   b->good[i] = finished(comm, epx_dispatch(comm, h, &rt, &d), &pr);
   if (b->good[i] == EPX_SUCCESS) b->good[i] = finished(comm, epx_combine(comm, h, &k), &pr);
   if (b->good[i] != EPX_SUCCESS && !b->msg[0]) snprintf(b->msg, sizeof b->msg, "good round %d: %.400s", i, pr.msg);
@@ -456,13 +468,10 @@ static epx_status_t refusal_done(epx_comm_t *comm, epx_status_t s, char *msg, si
 /* The call rank 1 fails and its peers make; `mine` is the handle this rank passes. */
 static epx_status_t refused_call(refusal_t *p, int r, epx_comm_t *comm, epx_handle_t *h, epx_handle_t *mine) {
   refuse_rank_t *b = &p->rk[r];
-  pair_rank_t pr = {.x = b->x, .recv = b->recv_bad, .out = b->out_bad};
-  const pairing_t shape = {.algo = p->algo, .layout = EPX_LAYOUT_TOKEN, .cap = p->cap};
+  pair_rank_t pr;
   epx_dispatch_args_t d;
   epx_combine_args_t k;
-  pair_args(&shape, &pr, &d, &k);
-  d.num_recv_rows = NULL;
-  const epx_routing_t rt = {.num_tokens = PT, .idx_dtype = EPX_INT32, .topk_idx = b->idx, .topk_weights = b->w};
+  const epx_routing_t rt = refusal_args(p, b, b->recv_bad, b->out_bad, &pr, &d, &k);
   const size_t n = sizeof b->msg;
   switch (p->how) {
     case HOW_LONE_COMPLETE: /* the peers dispatch whole (on the plan of the good round) */
@@ -590,10 +599,7 @@ static void refusal_check(const refusal_t *p, const char *what) {
  * or, after the late rank, broken. */
 static void refusal(how_t how, call_t call, epx_algo_t algo, int exact) {
   tu_moe_t m;
-  int64_t T[PR];
-  for (int r = 0; r < PR; r++) T[r] = PT;
-  tu_route_opts_t o = tu_route_default();
-  tu_moe_random(&m, &tu_rng, PR, E, H, K, EPX_BFLOAT16, T, &o, 1);
+  pair_inputs(&m);
   refusal_t p = {.how = how, .call = call, .algo = algo, .exact = exact, .m = &m};
   p.timeout_ms = how == HOW_LATE ? LATE_TIMEOUT_MS : 8000;
   p.cap = algo == EPX_ALGO_LL ? (int64_t)E * PT : (int64_t)PR * PT * K;
