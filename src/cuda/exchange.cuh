@@ -104,11 +104,12 @@ static __device__ bool peer_kept(const epxc_group_t *g, const volatile epxc_slot
                                  int phase) {
   const uint64_t deciding = EPXC_VERDICT(epoch, EPXC_VERDICT_DECIDING);
   const uint64_t gave_up = EPXC_VERDICT(epoch, EPXC_VERDICT_GAVE_UP);
+  const volatile epxc_error_t *peer_err = &g->errors[r];
   uint64_t v = in->verdict;
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0; v == deciding; spin++) {
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK &&
-        (fatal_status(g->errors[r].status) || globaltimer_ns() - start > g->timeout_ns))
+        (fatal_status(peer_err->status) || globaltimer_ns() - start > g->timeout_ns))
       v = gave_up;
     else
       v = in->verdict;
