@@ -93,6 +93,8 @@ void epxi_stamp_combine(epxi_stamp_t *s, const epx_combine_args_t *a) {
   put(s, F_WGRAD, a->row_weight_grad != NULL);
 }
 
+epx_part_t epxi_stamp_part(const epxi_stamp_t *s) { return (epx_part_t)get(s, &fields[F_PART]); }
+
 const char *epxi_stamp_field(int word, int bit) {
   for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
     if (fields[i].word == word && bit >= fields[i].shift && bit < fields[i].shift + fields[i].bits) return fields[i].name;

@@ -190,6 +190,8 @@ void epxi_stamp_combine(epxi_stamp_t *s, const epx_combine_args_t *args);
  * (EPX_ERR_CONFIG_MISMATCH naming the field). `me` is the calling rank, `phase` names the
  * exchange in messages. */
 epx_status_t epxi_stamp_compare(const epxi_stamp_t *all, int nranks, int me, const char *phase);
+/* The part of the call a stamp opens (EPX_PART_ALL for epx_notify and whole calls). */
+epx_part_t epxi_stamp_part(const epxi_stamp_t *s);
 /* The name of the field that holds bit `bit` (0..63) of digest word `word` (0, 1): for a
  * backend that compares the digest words on the device and reports the lowest differing bit
  * (__ffsll of the XOR). */
@@ -312,7 +314,11 @@ struct epxi_backend {
   bool wide_topk;
   bool recv_budget;
   /* Whether the backend carries comm->stamp in every call's first exchange and its abort
-   * takes part with any handle (NULL, another comm's) and in any part (a lone COMPLETE).
+   * takes part with any handle (NULL, another comm's: the abort then gets NULL) and in any
+   * part (a lone COMPLETE: comm->stamp says the part), so that the peers fail at once. Without
+   * a usable handle a backend whose exchanges depend on the handle's algorithm takes part as
+   * it best can (the CUDA backend: as the comm's last algorithm would); a wrong guess must
+   * still fail every rank at once (the stamp or phase comparison: EPX_ERR_OUT_OF_STEP).
    * Without it the core keeps refusing those calls without taking part. */
   bool stamped;
   /* Implements groups of several nodes (config.ranks_per_node < nranks): the node-aware

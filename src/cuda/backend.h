@@ -70,6 +70,12 @@ typedef struct {
   const cuda_transport_t *transport;
   arena_t arena;
   void *mapped[EPX_MAX_RANKS]; /* across processes: the peers' arenas as mapped here */
+  /* What a refused call without a usable handle takes part as (cuda_abort): the algorithm of
+   * the last handle a call used on the comm (NULL: none yet, high-throughput), and whether
+   * that handle was sync-free */
+  const struct cuda_algo *last_algo;
+  bool last_sync_free;
+  uint64_t last_send;       /* the call number of this rank's last SEND half, made or refused (0: none) */
 } cuda_comm_t;
 
 /* How a comm's peers reach its memory and it theirs. open makes the arena (chunk 0, `bytes`),
@@ -150,7 +156,9 @@ struct cuda_algo {
   epx_status_t (*combine)(epx_comm_t *c, epx_handle_t *h, const epx_combine_args_t *a, const epxc_shape_t *s,
                           epxc_combine_t *k, cudaStream_t st);
   epx_status_t (*combine_complete)(epx_comm_t *c, epx_handle_t *h, const epxc_shape_t *s, cudaStream_t st);
-  /* takes part in `op` as the peers need (see epxi_backend_t.abort), on stream st */
+  /* takes part in `op` as the peers need (see epxi_backend_t.abort), on stream st; h is
+   * NULL when the call has no usable handle (the peers' handle is then guessed to be of this
+   * algorithm, see cuda_abort) */
   epx_status_t (*abort)(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st);
 };
 

@@ -72,23 +72,28 @@ static __device__ void record_error(const epxc_group_t *g, int status, int phase
   __threadfence_system();
 }
 
-/* Waits until *flag >= epoch. Gives up when the deadline passes or the peer stopped for good
- * (a recoverable failure on its side leaves it in the protocol). */
-static __device__ bool wait_flag(const epxc_group_t *g, const uint64_t *flag, uint64_t epoch, int peer, int phase) {
+/* A sequentially consistent fence at system scope: a store before it and a load after it are
+ * never both missed by a peer doing the same the other way round (see exchange_wait). */
+static __device__ __forceinline__ void fence_sc(void) { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+/* What a bounded wait on a peer's flag found. */
+enum { WAIT_LATE = -1, WAIT_FAILED = 0, WAIT_ARRIVED = 1 };
+
+/* Waits until *flag >= epoch: WAIT_ARRIVED. Gives up when the peer stopped for good
+ * (WAIT_FAILED, recorded; a recoverable failure on its side leaves it in the protocol) or the
+ * deadline passes (WAIT_LATE, not recorded yet: the caller decides, see exchange_wait). */
+static __device__ int wait_flag(const epxc_group_t *g, const uint64_t *flag, uint64_t epoch, int peer, int phase) {
   uint64_t start = globaltimer_ns();
   volatile epxc_error_t *peer_err = &g->errors[peer];
   for (uint32_t spin = 0;; spin++) {
-    if (ld_acquire(flag) >= epoch) return true;
+    if (ld_acquire(flag) >= epoch) return WAIT_ARRIVED;
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK) {
       const int ps = peer_err->status;
       if (fatal_status(ps)) {
         record_error(g, EPX_ERR_BROKEN, phase, peer, ps);
-        return false;
+        return WAIT_FAILED;
       }
-      if (globaltimer_ns() - start > g->timeout_ns) {
-        record_error(g, EPX_ERR_TIMEOUT, phase, peer, (int64_t)(g->timeout_ns / 1000000));
-        return false;
-      }
+      if (globaltimer_ns() - start > g->timeout_ns) return WAIT_LATE;
     }
   }
 }

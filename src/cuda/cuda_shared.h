@@ -22,7 +22,7 @@ extern "C" {
 
 #define EPXC_PAYLOAD_WORDS 6 /* what an exchange publishes (epxc_words_t) */
 #define EPXC_STAMP_WORDS 4   /* the call's stamp (epxc_stamp_t) */
-#define EPXC_SLOT_WORDS (EPXC_PAYLOAD_WORDS + EPXC_STAMP_WORDS + 1) /* the last one is the phase tag */
+#define EPXC_SLOT_WORDS (EPXC_PAYLOAD_WORDS + EPXC_STAMP_WORDS + 2) /* then the phase tag and the verdict */
 #define EPXC_PHASE_TAG 0x6570780000000000ull
 
 /* What an exchange publishes, by kind of exchange. The first word of every kind is the rank's
@@ -76,14 +76,20 @@ typedef struct {
   uint64_t word[EPXC_STAMP_WORDS];
 } epxc_stamp_t;
 
-/* One mailbox: `flag` is the exchange's epoch once the words are valid; the slot's last word
- * is the phase tag. */
+/* One mailbox: `flag` is the exchange's epoch once the words are valid; then the phase tag,
+ * and the poster's verdict on the exchange once its own wait ran out (EPXC_VERDICT: it is
+ * deciding, or it gave up; see exchange_wait), which a late reader must respect. */
 typedef struct {
   uint64_t flag;
   epxc_words_t words;
   epxc_stamp_t stamp;
   uint64_t phase_tag;
+  uint64_t verdict;
 } epxc_slot_t;
+
+/* A verdict names its exchange's epoch: one left from an earlier exchange means nothing. */
+enum { EPXC_VERDICT_DONE = 0, EPXC_VERDICT_DECIDING = 1, EPXC_VERDICT_GAVE_UP = 2 };
+#define EPXC_VERDICT(epoch, v) (((uint64_t)(epoch) << 2) | (uint64_t)(v))
 
 /* Per rank, in its device memory; peers write its mailboxes. */
 typedef struct {

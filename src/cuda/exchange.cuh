@@ -68,63 +68,142 @@ static __device__ void record_stamp_error(const epxc_group_t *g, int status, int
   __threadfence_system();
 }
 
+/* ---- a late rank: the verdicts ---------------------------------------------------------- */
+
+/* This rank's wait on exchange `epoch` ran out (`late`: this thread's peer is one it waited
+ * for): it tells every peer that it is deciding, looks at the late ranks' flags once more,
+ * then tells every peer whether it gave up (and records the timeout). The fence pairs with
+ * the one a poster makes between its post and its reading of the verdicts (exchange_wait):
+ * a late rank is either seen here after all, or it sees this rank deciding and waits for the
+ * verdict; so no rank passes an exchange that a peer gave up on. (A third rank that sees the
+ * late rank's post to it might still read this verdict a few hundred nanoseconds before it is
+ * written; framed operations then stop it at their closing exchange.) Call from every thread
+ * of one block. Returns whether every late rank arrived after all. */
+static __device__ bool give_up_or_not(const epxc_group_t *g, uint64_t epoch, int phase, bool late) {
+  epxc_state_t *me = g->state[g->rank];
+  const int R = g->nranks, r = threadIdx.x;
+  __shared__ int gu_missing; /* the lowest rank still missing */
+  if (r == 0) gu_missing = R;
+  __syncthreads();
+  uint64_t *verdict = r < R && r != g->rank ? &g->state[r]->post[epoch & 1][g->rank].verdict : NULL;
+  if (verdict) st_release(verdict, EPXC_VERDICT(epoch, EPXC_VERDICT_DECIDING));
+  fence_sc();
+  if (late && ld_acquire(&me->post[epoch & 1][r].flag) < epoch) atomicMin(&gu_missing, r);
+  __syncthreads();
+  const bool arrived = gu_missing == R;
+  if (verdict) st_release(verdict, EPXC_VERDICT(epoch, arrived ? EPXC_VERDICT_DONE : EPXC_VERDICT_GAVE_UP));
+  if (!arrived && r == 0) record_error(g, EPX_ERR_TIMEOUT, phase, gu_missing, (int64_t)(g->timeout_ns / 1000000));
+  __syncthreads();
+  return arrived;
+}
+
+/* Peer r's verdict on exchange `epoch`, whose post has arrived: false (recorded) when it gave
+ * up on it, having waited for this rank past the timeout. A deciding peer takes a few loads;
+ * one whose record turns fatal meanwhile has stopped. */
+static __device__ bool peer_kept(const epxc_group_t *g, const volatile epxc_slot_t *in, uint64_t epoch, int r,
+                                 int phase) {
+  const uint64_t deciding = EPXC_VERDICT(epoch, EPXC_VERDICT_DECIDING);
+  const uint64_t gave_up = EPXC_VERDICT(epoch, EPXC_VERDICT_GAVE_UP);
+  const volatile epxc_error_t *peer_err = &g->errors[r];
+  uint64_t v = in->verdict;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spin = 0; v == deciding; spin++) {
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK &&
+        (fatal_status(peer_err->status) || globaltimer_ns() - start > g->timeout_ns))
+      v = gave_up;
+    else
+      v = in->verdict;
+  }
+  if (v != gave_up) return true;
+  record_error(g, EPX_ERR_BROKEN, phase, r, EPX_ERR_TIMEOUT);
+  return false;
+}
+
+/* ---- the wait ------------------------------------------------------------------------------ */
+
+/* Thread r < R compares rank r's post with rank 0's: the lowest rank whose phase tag, call
+ * number or operation differs (ex_step), else whose handle differs (ex_handle), else whose
+ * digest differs (ex_differ). */
+static __device__ void compare_posts(const uint64_t *tag, const epxc_stamp_t *stamp, int R, int *step, int *handle,
+                                     int *differ) {
+  const int r = threadIdx.x;
+  if (r >= R) return;
+  const epxc_stamp_t *a = &stamp[0], *b = &stamp[r];
+  const uint64_t word1 = a->word[1] ^ b->word[1], handle_bits = 0xffffffffull;
+  if (tag[r] != tag[0] || b->word[0] != a->word[0] || (word1 & ~handle_bits))
+    atomicMin(step, r);
+  else if (word1 & handle_bits)
+    atomicMin(handle, r);
+  else if (b->word[2] != a->word[2] || b->word[3] != a->word[3])
+    atomicMin(differ, r);
+}
+
 /* Waits (bounded) for every peer's post of exchange `epoch`; the payloads land in state->got.
  * Every rank compares every post with rank 0's, so every rank reaches the same verdict: a
- * phase tag or a stamp's call, handle or operation that differs stops this rank
+ * phase tag, or a stamp's call number or operation that differs stops this rank
  * (EPX_ERR_OUT_OF_STEP); otherwise group_status gets the first failure any rank reported in
- * its status word, or EPX_ERR_CONFIG_MISMATCH when the stamps' digests differ. Call from every
- * thread of one block. Returns false when this rank must stop. */
+ * its status word (a rank that refused its call posts it whatever handle it had, as the host
+ * backend's comparison does); otherwise a handle that differs stops this rank too
+ * (EPX_ERR_OUT_OF_STEP), and digests that differ give EPX_ERR_CONFIG_MISMATCH. A wait that
+ * runs out decides with its peers whether the late ranks count (give_up_or_not), and a post
+ * whose poster gave up on this exchange fails this rank. Call from every thread of one block.
+ * Returns false when this rank must stop. */
 static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t epoch) {
   epxc_state_t *me = g->state[g->rank];
-  __shared__ int ex_failed;
-  __shared__ int ex_step, ex_differ; /* the lowest rank out of step with rank 0, whose digest differs */
+  __shared__ int ex_failed, ex_late;
+  __shared__ int ex_step, ex_handle, ex_differ; /* see compare_posts */
   __shared__ uint64_t ex_tag[EPX_MAX_RANKS];
   __shared__ epxc_stamp_t ex_stamp[EPX_MAX_RANKS];
   const int R = g->nranks, r = threadIdx.x;
   if (r == 0) {
     ex_failed = epoch == 0;
-    ex_step = ex_differ = R;
+    ex_late = 0;
+    ex_step = ex_handle = ex_differ = R;
   }
   __syncthreads();
   if (!epoch) return false;
-  if (r < R) {
-    volatile epxc_slot_t *in = &me->post[epoch & 1][r];
-    if (!wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase)) {
-      ex_failed = 1;
-    } else {
-      ex_tag[r] = in->phase_tag;
-      for (int i = 0; i < EPXC_STAMP_WORDS; i++) ex_stamp[r].word[i] = in->stamp.word[i];
-      for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) me->got[r].word[i] = in->words.word[i];
-    }
+  volatile epxc_slot_t *in = r < R ? &me->post[epoch & 1][r] : NULL;
+  int got = WAIT_ARRIVED;
+  if (in) {
+    fence_sc(); /* this rank's post before its reading of the verdicts (see give_up_or_not) */
+    got = wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase);
+    if (got == WAIT_FAILED) ex_failed = 1;
+    if (got == WAIT_LATE) ex_late = 1;
   }
   __syncthreads();
-  if (r < R && !ex_failed) {
-    const epxc_stamp_t *a = &ex_stamp[0], *b = &ex_stamp[r];
-    if (ex_tag[r] != ex_tag[0] || b->word[0] != a->word[0] || b->word[1] != a->word[1])
-      atomicMin(&ex_step, r);
-    else if (b->word[2] != a->word[2] || b->word[3] != a->word[3])
-      atomicMin(&ex_differ, r);
+  const bool failed = ex_failed, late = ex_late; /* read before any thread writes ex_failed again */
+  const bool ok = !failed && (!late || give_up_or_not(g, epoch, phase, got == WAIT_LATE));
+  if (in && ok) {
+    if (r != g->rank && !peer_kept(g, in, epoch, r, phase)) ex_failed = 1;
+    ex_tag[r] = in->phase_tag;
+    for (int i = 0; i < EPXC_STAMP_WORDS; i++) ex_stamp[r].word[i] = in->stamp.word[i];
+    for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) me->got[r].word[i] = in->words.word[i];
   }
+  if (!ok && r == 0) ex_failed = 1;
+  __syncthreads();
+  if (!ex_failed) compare_posts(ex_tag, ex_stamp, R, &ex_step, &ex_handle, &ex_differ);
   __syncthreads();
   if (r == 0) {
     if (!ex_failed && ex_step < R) {
       record_stamp_error(g, EPX_ERR_OUT_OF_STEP, phase, ex_step, ex_tag, ex_stamp);
       ex_failed = 1;
     }
-    if (ex_failed) {
-      me->aborted = 1;
-    } else {
-      int status = 0, who = -1;
-      for (int q = 0; q < R && !status; q++)
-        if ((int32_t)me->got[q].status != 0) status = (int32_t)me->got[q].status, who = q;
-      if (status) {
-        record_error(g, status, phase, who, 0);
-      } else if (ex_differ < R) {
-        status = EPX_ERR_CONFIG_MISMATCH;
-        record_stamp_error(g, status, phase, ex_differ, ex_tag, ex_stamp);
-      }
-      me->group_status = status;
+    int status = 0, who = -1;
+    for (int q = 0; q < R && !status && !ex_failed; q++)
+      if ((int32_t)me->got[q].status != 0) status = (int32_t)me->got[q].status, who = q;
+    if (status) {
+      record_error(g, status, phase, who, 0);
+    } else if (!ex_failed && ex_handle < R) {
+      record_stamp_error(g, EPX_ERR_OUT_OF_STEP, phase, ex_handle, ex_tag, ex_stamp);
+      ex_failed = 1;
+    } else if (!ex_failed && ex_differ < R) {
+      status = EPX_ERR_CONFIG_MISMATCH;
+      record_stamp_error(g, status, phase, ex_differ, ex_tag, ex_stamp);
     }
+    if (ex_failed)
+      me->aborted = 1;
+    else
+      me->group_status = status;
     __threadfence();
   }
   __syncthreads();

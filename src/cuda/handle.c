@@ -137,7 +137,19 @@ epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st) {
   return EPX_SUCCESS;
 }
 
+/* What every collective call on a handle notes for a later refusal without one (cuda_abort):
+ * the handle's algorithm and mode, and a SEND half's call number. */
+static void note_call(epx_comm_t *c, const epx_handle_t *h) {
+  cuda_comm_t *cc = CC(c);
+  if (h) {
+    cc->last_algo = ch_of(h)->algo;
+    cc->last_sync_free = !h->hc.exact;
+  }
+  if (epxi_stamp_part(&c->stamp) == EPX_PART_SEND) cc->last_send = c->stamp.call;
+}
+
 static epx_status_t cuda_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r) {
+  note_call(c, h);
   return ch_of(h)->algo->notify(c, h, r);
 }
 
@@ -172,6 +184,7 @@ static epx_status_t op_place(epx_comm_t *c, epx_handle_t *h, op_place_t *at) {
 
 static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a) {
   cuda_handle_t *ch = h->impl;
+  note_call(c, h);
   op_place_t at;
   EPX_CHECK(op_place(c, h, &at));
   epxc_dispatch_t d = {.x = a->x, .x_dtype = a->x_dtype, .recv_dtype = a->recv_dtype, .recv_x = a->recv_x,
@@ -192,6 +205,7 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
 
 static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine_args_t *a) {
   cuda_handle_t *ch = h->impl;
+  note_call(c, h);
   op_place_t at;
   EPX_CHECK(op_place(c, h, &at));
   epxc_combine_t k = {.y = a->y, .y_dtype = a->y_dtype, .out = a->out, .out_dtype = a->out_dtype,
@@ -206,11 +220,25 @@ static epx_status_t cuda_combine(epx_comm_t *c, epx_handle_t *h, const epx_combi
   return ch->algo->combine(c, h, a, &at.s, &k, at.st);
 }
 
-/* Takes part in `op` as far as the peers need, as the handle's algorithm frames it. */
+/* Takes part in `op` as far as the peers need, as the handle's algorithm frames it. Without
+ * a usable handle (NULL, another comm's, destroyed: h is NULL) this rank cannot know the
+ * peers' algorithm: it takes part as the comm's last handle did (high-throughput and exact
+ * before any), which is right whenever the ranks keep to one algorithm, and when it is not,
+ * the first exchange's phase tags differ and every rank stops with EPX_ERR_OUT_OF_STEP at
+ * once. A refused COMPLETE half right after this rank's SEND (made, or refused itself: then
+ * that refusal already reached the peers in the SEND's exchange) takes part in nothing: on
+ * this backend a COMPLETE makes no exchange of its own (it waits on its SEND's, or its SEND
+ * did everything). Any other refused COMPLETE meets the peers where they are, in a SEND this
+ * rank did not make or in another call: as the operation's first exchange. */
 epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status) {
+  cuda_comm_t *cc = CC(c);
+  const epx_part_t part = epxi_stamp_part(&c->stamp);
+  if (part == EPX_PART_COMPLETE && cc->last_send && cc->last_send + 1 == c->stamp.call) return status;
+  note_call(c, h);
   cudaStream_t st = op_stream(c);
-  CUDA_TRY(cudaSetDevice(CC(c)->device), "cudaSetDevice");
-  return ch_of(h)->algo->abort(c, h, op, status, st);
+  CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
+  const cuda_algo_t *algo = h ? ch_of(h)->algo : cc->last_algo ? cc->last_algo : &epxc_algo_ht;
+  return algo->abort(c, h, op, status, st);
 }
 
 const epxi_backend_t epxi_cuda_backend = {
@@ -231,4 +259,5 @@ const epxi_backend_t epxi_cuda_backend = {
     .abort = cuda_abort,
     .comm_abort = cuda_comm_abort,
     .async_error = cuda_async_error,
+    .stamped = true,
 };

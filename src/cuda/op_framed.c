@@ -176,7 +176,8 @@ epx_status_t framed_combine_close(epx_comm_t *c, cuda_handle_t *ch, const epxc_s
 
 /* The peers' operations are exchange-framed: post this rank's status in the opening exchange
  * (the peers then skip their work) and join the closing one. A sync-free notify + dispatch
- * is two operations to the peers; an exact notify already stops them after the first. */
+ * is two operations to the peers; an exact notify already stops them after the first.
+ * Without a handle (h NULL) the peers' mode is taken to be the comm's last handle's. */
 epx_status_t framed_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st) {
   cuda_comm_t *cc = CC(c);
   static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
@@ -188,7 +189,8 @@ epx_status_t framed_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_stat
   const epxc_stamp_t stamp = stamp_of(c);
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], &words, NULL, &stamp, st), "exchange");
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, NULL, st), "exchange");
-  if (op == EPXI_OP_NOTIFY_DISPATCH && !h->hc.exact) {
+  const bool sync_free = h ? !h->hc.exact : cc->last_sync_free;
+  if (op == EPXI_OP_NOTIFY_DISPATCH && sync_free) {
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, &stamp, st), "exchange");
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH_DONE, NULL, NULL, NULL, st), "exchange");
   }

@@ -96,7 +96,8 @@ static epx_status_t ll_combine_complete(epx_comm_t *c, epx_handle_t *h, const ep
   return EPX_SUCCESS;
 }
 
-/* One exchange per operation, none in notify: post this rank's status in it. */
+/* One exchange per operation, none in notify: post this rank's status in it (h may be NULL:
+ * the call has no usable handle). */
 static epx_status_t ll_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st) {
   epxc_words_t words = {{0}};
   words.status = (uint64_t)(uint32_t)status;
@@ -105,7 +106,7 @@ static epx_status_t ll_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_s
     LAUNCH_TRY(epxc_exchange(&CC(c)->group, op == EPXI_OP_COMBINE ? EPXC_PH_LL_COMBINE : EPXC_PH_LL_DISPATCH, &words,
                              NULL, &stamp, st),
                "exchange");
-  if (op == EPXI_OP_DISPATCH || op == EPXI_OP_NOTIFY_DISPATCH) ch_of(h)->ll_dispatched = false;
+  if (h && (op == EPXI_OP_DISPATCH || op == EPXI_OP_NOTIFY_DISPATCH)) ch_of(h)->ll_dispatched = false;
   forget_own_report(c, status, st);
   return status;
 }

@@ -134,6 +134,10 @@ epx_status_t report(epx_comm_t *c, bool all) {
     s = report_stamps(c, e, ph); /* about[0] = 0: a peer posted the status, it has no stamps */
   else if (status == EPX_ERR_TIMEOUT)
     s = epxi_fail(EPX_ERR_TIMEOUT, "rank %d: %s timed out after %lld ms waiting for rank %d", c->rank, ph, detail, peer);
+  else if (status == EPX_ERR_BROKEN && fatal && root == c->rank && peer != c->rank && peer >= 0 && peer < c->nranks)
+    s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d gave up waiting for this rank (%s) before it arrived; "
+                  "the comm is broken: destroy and re-create it", c->rank, ph, peer,
+                  epx_status_string((epx_status_t)cw->errors_host[peer].status));
   else if (status == EPX_ERR_BROKEN && root != peer && root >= 0 && root < c->nranks)
     s = epxi_fail(EPX_ERR_BROKEN, "rank %d: %s stopped: rank %d failed first (it stopped on rank %d: %s)", c->rank, ph,
                   peer, root, epx_status_string((epx_status_t)cw->errors_host[root].status));

@@ -1,7 +1,8 @@
 /* What goes wrong on the CUDA backend comes back as a status, never as a hang or a write out
  * of bounds: a rank that never arrives, an output too small in sync-free mode, a bad expert
  * id, too many tokens in low-latency mode, ranks whose calls do not pair (settings that
- * differ, different operations), an SM budget the GPU cannot hold. */
+ * differ, different operations), a rank that refuses its call without a usable handle or in a
+ * lone COMPLETE, a rank that comes after its peers gave up, an SM budget the GPU cannot hold. */
 #include <cuda_runtime_api.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -365,14 +366,19 @@ static void pair_run(pairing_t *p, pair_out_t *o) {
   pair_collect(p, o);
 }
 
+/* Fresh random tokens and routing, PT tokens on each of PR ranks. */
+static void pair_inputs(tu_moe_t *m) {
+  int64_t T[PR];
+  for (int r = 0; r < PR; r++) T[r] = PT;
+  tu_route_opts_t o = tu_route_default();
+  tu_moe_random(m, &tu_rng, PR, E, H, K, EPX_BFLOAT16, T, &o, 1);
+}
+
 /* The same calls on both backends: the same statuses, nothing written by the unpaired call,
  * and the good calls after it bit for bit the host's. */
 static void pairing(diff_t diff, epx_algo_t algo, epx_layout_t layout, int exact) {
   tu_moe_t m;
-  int64_t T[PR];
-  for (int r = 0; r < PR; r++) T[r] = PT;
-  tu_route_opts_t o = tu_route_default();
-  tu_moe_random(&m, &tu_rng, PR, E, H, K, EPX_BFLOAT16, T, &o, 1);
+  pair_inputs(&m);
   pair_out_t got[2];
   for (int cuda = 0; cuda <= 1; cuda++) {
     pairing_t p = {.diff = diff, .cuda = cuda, .exact = exact, .algo = algo, .layout = layout, .m = &m};
@@ -394,6 +400,255 @@ static void pairing(diff_t diff, epx_algo_t algo, epx_layout_t layout, int exact
   for (int b = 0; b < 2; b++)
     for (int r = 0; r < PR; r++) free(got[b].recv[r]), free(got[b].out[r]);
   tu_moe_free(&m);
+}
+
+/* ---- refusals without a usable handle, a lone COMPLETE, a late rank ---------------------- */
+
+/* How rank 1 (RBAD) fails the call its peers make with their valid handle: it passes a NULL
+ * handle, another comm's handle, a COMPLETE half with no SEND before it (its peers make the
+ * whole call), a NULL handle to a SEND half (then every rank calls COMPLETE, as every rank's
+ * code does), or it comes after its peers' timeout. */
+typedef enum { HOW_NULL, HOW_FOREIGN, HOW_LONE_COMPLETE, HOW_SEND_REFUSED, HOW_LATE } how_t;
+typedef enum { CALL_NOTIFY, CALL_DISPATCH, CALL_COMBINE } call_t; /* dispatch: with a routing */
+enum { RBAD = 1, LATE_TIMEOUT_MS = 300 };
+
+typedef struct {
+  void *x, *idx, *w;
+  void *recv[2], *out[2]; /* the good round before the refused call and the one after it */
+  void *recv_bad, *out_bad; /* what the refused call may not touch */
+  epx_status_t good[2], st, complete, next;
+  char msg[512], complete_msg[512];
+  double secs;
+} refuse_rank_t;
+
+typedef struct {
+  how_t how;
+  call_t call;
+  epx_algo_t algo;
+  int exact, timeout_ms;
+  const tu_moe_t *m;
+  epx_world_t *world;
+  int64_t cap;
+  refuse_rank_t rk[PR];
+} refusal_t;
+
+static const char *const how_names[] = {"NULL handle", "another comm's handle", "lone COMPLETE",
+                                        "refused SEND, then COMPLETE", "late rank"};
+static const char *const call_names[] = {"epx_notify", "epx_dispatch", "epx_combine"};
+
+/* Rank r's routing, and dispatch and combine arguments writing into recv and out. */
+static epx_routing_t refusal_args(const refusal_t *p, const refuse_rank_t *b, void *recv, void *out,
+                                  pair_rank_t *pr, epx_dispatch_args_t *d, epx_combine_args_t *k) {
+  *pr = (pair_rank_t){.x = b->x, .recv = recv, .out = out};
+  const pairing_t shape = {.algo = p->algo, .layout = EPX_LAYOUT_TOKEN, .cap = p->cap};
+  pair_args(&shape, pr, d, k);
+  d->num_recv_rows = NULL;
+  return (epx_routing_t){.num_tokens = PT, .idx_dtype = EPX_INT32, .topk_idx = b->idx, .topk_weights = b->w};
+}
+
+/* A whole dispatch (with a routing) and combine into round i's buffers. */
+static void good_round(refusal_t *p, int r, epx_comm_t *comm, epx_handle_t *h, int i) {
+  refuse_rank_t *b = &p->rk[r];
+  pair_rank_t pr;
+  epx_dispatch_args_t d;
+  epx_combine_args_t k;
+  const epx_routing_t rt = refusal_args(p, b, b->recv[i], b->out[i], &pr, &d, &k);
+  b->good[i] = finished(comm, epx_dispatch(comm, h, &rt, &d), &pr);
+  if (b->good[i] == EPX_SUCCESS) b->good[i] = finished(comm, epx_combine(comm, h, &k), &pr);
+  if (b->good[i] != EPX_SUCCESS && !b->msg[0]) snprintf(b->msg, sizeof b->msg, "good round %d: %.400s", i, pr.msg);
+}
+
+/* Call and synchronise, keeping the first failure's message in `msg`. */
+static epx_status_t refusal_done(epx_comm_t *comm, epx_status_t s, char *msg, size_t n) {
+  if (s == EPX_SUCCESS) s = epx_comm_synchronize(comm);
+  if (s != EPX_SUCCESS) snprintf(msg, n, "%s", epx_last_error());
+  return s;
+}
+
+/* The call rank 1 fails and its peers make; `mine` is the handle this rank passes. */
+static epx_status_t refused_call(refusal_t *p, int r, epx_comm_t *comm, epx_handle_t *h, epx_handle_t *mine) {
+  refuse_rank_t *b = &p->rk[r];
+  pair_rank_t pr;
+  epx_dispatch_args_t d;
+  epx_combine_args_t k;
+  const epx_routing_t rt = refusal_args(p, b, b->recv_bad, b->out_bad, &pr, &d, &k);
+  const size_t n = sizeof b->msg;
+  switch (p->how) {
+    case HOW_LONE_COMPLETE: /* the peers dispatch whole (on the plan of the good round) */
+      d.part = r == RBAD ? EPX_PART_COMPLETE : EPX_PART_ALL;
+      return refusal_done(comm, epx_dispatch(comm, h, NULL, &d), b->msg, n);
+    case HOW_SEND_REFUSED: {
+      d.part = EPX_PART_SEND;
+      epx_status_t s = epx_dispatch(comm, mine, NULL, &d);
+      if (s != EPX_SUCCESS) snprintf(b->msg, n, "%s", epx_last_error());
+      d.part = EPX_PART_COMPLETE;
+      b->complete = refusal_done(comm, epx_dispatch(comm, h, NULL, &d), b->complete_msg, sizeof b->complete_msg);
+      if (s == EPX_SUCCESS && b->complete != EPX_SUCCESS) memcpy(b->msg, b->complete_msg, n);
+      return s != EPX_SUCCESS ? s : b->complete;
+    }
+    case HOW_LATE:
+      if (r == RBAD) tu_sleep_ms(p->timeout_ms + 500);
+      return refusal_done(comm, epx_dispatch(comm, h, &rt, &d), b->msg, n);
+    default:
+      break;
+  }
+  if (p->call == CALL_NOTIFY) return refusal_done(comm, epx_notify(comm, mine, &rt), b->msg, n);
+  if (p->call == CALL_DISPATCH) return refusal_done(comm, epx_dispatch(comm, mine, &rt, &d), b->msg, n);
+  return refusal_done(comm, epx_combine(comm, mine, &k), b->msg, n);
+}
+
+/* Rank r: a good round (so the comm has used its handle's algorithm), the refused call, then
+ * a good round again (or, after the late call, any call: the comm is broken). */
+static epx_status_t refusal_rank(int r, void *arg) {
+  refusal_t *p = arg;
+  refuse_rank_t *b = &p->rk[r];
+  epx_comm_t *comm = NULL, *other = NULL;
+  epx_handle_t *h = NULL, *foreign = NULL;
+  epx_config_t cfg = tu_config(E, H, K, p->algo == EPX_ALGO_LL ? PT : 0);
+  cfg.timeout_ms = p->timeout_ms;
+  epx_handle_config_t hc = tu_handle_config(p->algo, EPX_LAYOUT_TOKEN, 1);
+  hc.exact = p->exact;
+  b->st = epx_comm_init(p->world, r, &cfg, &comm);
+  if (b->st == EPX_SUCCESS) b->st = epx_handle_create(comm, &hc, &h);
+  if (b->st == EPX_SUCCESS && p->how == HOW_FOREIGN) b->st = epx_comm_init(p->world, r, &cfg, &other);
+  if (b->st == EPX_SUCCESS && p->how == HOW_FOREIGN) b->st = epx_handle_create(other, &hc, &foreign);
+  if (b->st != EPX_SUCCESS) {
+    snprintf(b->msg, sizeof b->msg, "set-up: %s", epx_last_error());
+    b->good[0] = b->good[1] = b->next = b->st;
+    tu_barrier_wait();
+  } else {
+    good_round(p, r, comm, h, 0);
+    tu_barrier_wait(); /* the refused call's time starts on every rank together */
+    epx_handle_t *mine = r != RBAD ? h : p->how == HOW_NULL || p->how == HOW_SEND_REFUSED ? NULL
+                                     : p->how == HOW_FOREIGN ? foreign : h;
+    const double t0 = tu_now();
+    b->st = refused_call(p, r, comm, h, mine);
+    b->secs = tu_now() - t0;
+    if (p->how == HOW_LATE) {
+      b->next = epx_notify(comm, h, &(epx_routing_t){.num_tokens = PT, .idx_dtype = EPX_INT32, .topk_idx = b->idx});
+      b->good[1] = EPX_SUCCESS;
+    } else {
+      good_round(p, r, comm, h, 1);
+    }
+  }
+  tu_barrier_wait(); /* nobody frees state a peer may still post to */
+  epx_handle_destroy(foreign);
+  epx_handle_destroy(h);
+  epx_comm_destroy(other);
+  epx_comm_destroy(comm);
+  return EPX_SUCCESS;
+}
+
+/* What every rank must return for the refused call, and what rank 1's message must say. */
+static epx_status_t refusal_want(const refusal_t *p, int r) {
+  if (p->how == HOW_LATE) return r == RBAD ? EPX_ERR_BROKEN : EPX_ERR_TIMEOUT;
+  if (p->how == HOW_NULL && p->call == CALL_NOTIFY && p->algo == EPX_ALGO_LL && r != RBAD)
+    return EPX_SUCCESS; /* a low-latency notify only records the routing: nothing to meet */
+  return p->how == HOW_NULL || p->how == HOW_SEND_REFUSED ? EPX_ERR_NULL_POINTER : EPX_ERR_INVALID_ARGUMENT;
+}
+
+static void refusal_check(const refusal_t *p, const char *what) {
+  const size_t row = sizeof(uint16_t) * H;
+  for (int r = 0; r < PR; r++) {
+    const refuse_rank_t *b = &p->rk[r];
+    const epx_status_t want = refusal_want(p, r);
+    CHECK(b->good[0] == EPX_SUCCESS, "%s: rank %d: the good round before: %s (%s)", what, r,
+          epx_status_string(b->good[0]), b->msg);
+    CHECK(b->st == want, "%s: rank %d: %s, want %s (%s)", what, r, epx_status_string(b->st), epx_status_string(want),
+          b->msg);
+    if (r != RBAD && want != EPX_SUCCESS)
+      CHECK(strstr(b->msg, "rank 1") != NULL, "%s: rank %d's message names rank 1: %s", what, r, b->msg);
+    if (p->how == HOW_LATE) {
+      if (r == RBAD)
+        CHECK(strstr(b->msg, "gave up waiting for this rank") != NULL, "%s: the late rank's message: %s", what, b->msg);
+      else
+        CHECK(b->secs < 4.0, "%s: rank %d took %.2f s to time out", what, r, b->secs);
+      CHECK(b->next == EPX_ERR_BROKEN, "%s: rank %d's next call: %s, want broken", what, r,
+            epx_status_string(b->next));
+    } else {
+      CHECK(b->secs < p->timeout_ms / 2000.0, "%s: rank %d took %.2f s (timeout %d ms)", what, r, b->secs,
+            p->timeout_ms);
+      CHECK(b->good[1] == EPX_SUCCESS, "%s: rank %d: the good round after: %s (%s)", what, r,
+            epx_status_string(b->good[1]), b->msg);
+    }
+    if (p->how == HOW_SEND_REFUSED && r == RBAD)
+      CHECK(b->complete == EPX_ERR_INVALID_ARGUMENT && strstr(b->complete_msg, "COMPLETE without a SEND"),
+            "%s: rank 1's COMPLETE: %s (%s)", what, epx_status_string(b->complete), b->complete_msg);
+    const size_t n[] = {row * p->cap, row * PT};
+    void *untouched[] = {b->recv_bad, b->out_bad};
+    for (int i = 0; i < 2; i++) {
+      void *hb = gu_host_copy(1, untouched[i], n[i]);
+      CHECK(tu_is_poison(hb, n[i]) || want == EPX_SUCCESS, "%s: rank %d: the refused call wrote its %s", what, r,
+            i ? "out" : "recv_x");
+      free(hb);
+    }
+    if (p->how == HOW_LATE || b->good[1] != EPX_SUCCESS) continue;
+    char label[256];
+    snprintf(label, sizeof label, "%s: rank %d's round after the refusal", what, r);
+    void *g[4] = {gu_host_copy(1, b->recv[0], n[0]), gu_host_copy(1, b->recv[1], n[0]),
+                  gu_host_copy(1, b->out[0], n[1]), gu_host_copy(1, b->out[1], n[1])};
+    CHECK(!tu_is_poison(g[2], n[1]), "%s: the good round wrote no output", label);
+    CHECK_BITS(label, EPX_BFLOAT16, g[1], g[0], p->cap * H, H);
+    CHECK_BITS(label, EPX_BFLOAT16, g[3], g[2], (int64_t)PT * H, H);
+    for (int i = 0; i < 4; i++) free(g[i]);
+  }
+}
+
+/* One scenario on the CUDA backend, four ranks: statuses and messages on every rank, the
+ * refused call's outputs untouched, and the group usable after it (the same bits as before)
+ * or, after the late rank, broken. */
+static void refusal(how_t how, call_t call, epx_algo_t algo, int exact) {
+  tu_moe_t m;
+  pair_inputs(&m);
+  refusal_t p = {.how = how, .call = call, .algo = algo, .exact = exact, .m = &m};
+  p.timeout_ms = how == HOW_LATE ? LATE_TIMEOUT_MS : 8000;
+  p.cap = algo == EPX_ALGO_LL ? (int64_t)E * PT : (int64_t)PR * PT * K;
+  char what[160];
+  snprintf(what, sizeof what, "%s, %s, %s", how_names[how], how <= HOW_FOREIGN ? call_names[call] : "epx_dispatch",
+           algo == EPX_ALGO_LL ? "ll" : exact ? "ht exact" : "ht sync-free");
+  const size_t row = sizeof(uint16_t) * H;
+  for (int r = 0; r < PR; r++) {
+    refuse_rank_t *b = &p.rk[r];
+    b->x = gu_upload(1, m.x[r], row * PT);
+    b->idx = gu_upload(1, m.idx[r], sizeof(int32_t) * PT * K);
+    b->w = gu_upload(1, m.w[r], sizeof(float) * PT * K);
+    for (int i = 0; i < 2; i++) b->recv[i] = gu_alloc(1, row * p.cap), b->out[i] = gu_alloc(1, row * PT);
+    b->recv_bad = gu_alloc(1, row * p.cap);
+    b->out_bad = gu_alloc(1, row * PT);
+  }
+  epx_world_config_t wc;
+  epx_world_config_init(&wc);
+  wc.backend = EPX_BACKEND_CUDA;
+  wc.nranks = PR;
+  CHECK(epx_world_create(&wc, &p.world) == EPX_SUCCESS, "world: %s", epx_last_error());
+  tu_barrier_init(PR);
+  epx_run_ranks(PR, refusal_rank, &p, NULL);
+  epx_world_destroy(p.world);
+  refusal_check(&p, what);
+  printf("  %s: rank 0 says: %s%s%s\n", what, p.rk[0].msg[0] ? p.rk[0].msg : "(success)",
+         how == HOW_LATE ? "; rank 1: " : "", how == HOW_LATE ? p.rk[1].msg : "");
+  for (int r = 0; r < PR; r++) {
+    refuse_rank_t *b = &p.rk[r];
+    void *bufs[] = {b->x, b->idx, b->w, b->recv[0], b->recv[1], b->out[0], b->out[1], b->recv_bad, b->out_bad};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) gu_free(1, bufs[i]);
+  }
+  tu_moe_free(&m);
+}
+
+/* Every refusal on every kind of handle. */
+static void refusals(void) {
+  static const struct {
+    epx_algo_t algo;
+    int exact;
+  } kinds[] = {{EPX_ALGO_HT, 1}, {EPX_ALGO_HT, 0}, {EPX_ALGO_LL, 0}};
+  for (size_t i = 0; i < sizeof kinds / sizeof *kinds; i++) {
+    for (int call = CALL_NOTIFY; call <= CALL_COMBINE; call++) refusal(HOW_NULL, (call_t)call, kinds[i].algo, kinds[i].exact);
+    refusal(HOW_FOREIGN, (call_t)(i == 2 ? CALL_COMBINE : CALL_DISPATCH), kinds[i].algo, kinds[i].exact);
+    refusal(HOW_LONE_COMPLETE, CALL_DISPATCH, kinds[i].algo, kinds[i].exact);
+    refusal(HOW_SEND_REFUSED, CALL_DISPATCH, kinds[i].algo, kinds[i].exact);
+  }
+  refusal(HOW_LATE, CALL_DISPATCH, EPX_ALGO_HT, 1);
+  refusal(HOW_LATE, CALL_DISPATCH, EPX_ALGO_LL, 0);
 }
 
 int main(void) {
@@ -461,6 +716,10 @@ int main(void) {
   pairing(DIFF_WGRAD, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
   pairing(DIFF_WGRAD, EPX_ALGO_LL, EPX_LAYOUT_EXPERT, 0);
   pairing(DIFF_OP, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 0);
+  /* a rank that refuses its call without a usable handle, or in a lone COMPLETE, still takes
+   * part: every rank fails at once with its status, and the group stays usable; a rank that
+   * comes after its peers gave up never succeeds */
+  refusals();
   { /* an SM budget the GPU cannot hold at once */
     fault_t f = fresh(4);
     f.num_sms = 1000;
