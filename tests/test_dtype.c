@@ -290,6 +290,15 @@ static void test_quantize(void) {
   float x[32];
   for (int c = 0; c < 32; c++) x[c] = 1e-4f * (c % 2 ? -1.0f : 0.5f);
   check_quantize("H=32 amax == 1e-4", x, 32);
+  /* NaNs are left out of amax, a signalling one too (glibc's fmaxf quiets it, and the max
+   * would restart after it): the block's largest value first, then a signalling NaN, a quiet
+   * negative one and a signalling one with a payload. */
+  for (int c = 0; c < 32; c++) x[c] = tu_value(&tu_rng);
+  x[0] = 100.0f;
+  x[5] = u2f(0x7f800001u);
+  x[9] = u2f(0xffc00001u);
+  x[20] = u2f(0x7fa00000u);
+  check_quantize("H=32 NaNs after the block maximum", x, 32);
   /* The block maximum lands on +-448. */
   uint8_t q[32];
   float sc[1];

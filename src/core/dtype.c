@@ -85,9 +85,15 @@ float epx_e4m3_to_float(uint8_t x) {
 void epx_quantize_row_e4m3(const float *x, int hidden, uint8_t *q, float *scales) {
   for (int b = 0; b * EPX_FP8_BLOCK < hidden; b++) {
     int lo = b * EPX_FP8_BLOCK, hi = lo + EPX_FP8_BLOCK < hidden ? lo + EPX_FP8_BLOCK : hidden;
+    /* NaNs, quiet or signalling, are left out of amax, as the GPU's max does. C's fmaxf would
+     * not do for a signalling NaN: glibc's returns a quiet NaN for it (IEEE 754-2008 maxNum),
+     * which the next step then drops, losing the amax of the channels before it. */
     float amax = 0.0f;
-    for (int c = lo; c < hi; c++) amax = fmaxf(amax, fabsf(x[c]));
-    float a = fmaxf(amax, 1e-4f);
+    for (int c = lo; c < hi; c++) {
+      const float m = fabsf(x[c]);
+      if (m > amax) amax = m;
+    }
+    float a = amax > 1e-4f ? amax : 1e-4f;
     float s = 448.0f / a;
     for (int c = lo; c < hi; c++) q[c] = epx_float_to_e4m3(x[c] * s);
     scales[b] = a / 448.0f;
