@@ -139,7 +139,7 @@ if asked sanitize; then
   cs="env EPX_TEST_TIMEOUT_MS=120000 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20"
   run sanitize-graph-ht timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ht 3
   run sanitize-graph-ll timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ll 3
-  run sanitize-match timeout 300 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21,25}
+  run sanitize-match timeout 300 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21,25,30}
 fi
 # The same bench shapes on two builds, alternating, so drift of the GPU's clocks hits both
 if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
