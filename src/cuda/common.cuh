@@ -127,6 +127,8 @@ static __device__ void peer_view(const epxc_group_t *g, int r, uint64_t p, epxc_
   v->send_base = src->send_base; /* inside the struct: already reached through src */
   v->pair_send_base = (const int64_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->pair_send_base);
   v->pair_base = (const int64_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->pair_base);
+  v->kept = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->kept);
+  v->dropped = &src->dropped; /* inside the struct, as send_base */
 }
 
 /* ---- elements ------------------------------------------------------------------------- */

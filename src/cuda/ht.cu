@@ -86,8 +86,8 @@ static __device__ uint32_t bits_here(const epxc_shape_t *s, const epxc_peer_t *s
   return word * EPXC_WARP < src->num_tokens ? src->rank_bits[(int64_t)s->rank * src->words + word] : 0u;
 }
 
-/* Lane i, token t = 32 word + i of src, expert layout: its slots that land here, in
- * local_slots' order (ascending local expert, ties in slot order): slot k goes to place
+/* Lane i, token t = 32 word + i of src, expert layout: its slots that land (and are kept)
+ * here, in local_slots' order (ascending local expert, ties in slot order): slot k goes to place
  * pos[k] (-1: not here), receive row row[k], routing weight w[k]. One round trip for the
  * slots, one for the expert bitmaps and weights of those here. */
 typedef struct {
@@ -103,10 +103,18 @@ static __device__ void lane_local_slots(const epxc_shape_t *s, const epxc_plan_t
   const int64_t W = src->words, word = t >> 5;
   const uint32_t below = (1u << (t & 31)) - 1u;
   int lk[EPXC_MAX_TOPK];
+  int32_t at[EPXC_MAX_TOPK]; /* the slot's place among src's pairs of its expert */
 #pragma unroll
   for (int k = 0; k < EPXC_MAX_TOPK; k++) {
     const int e = k < K ? src->idx[t * K + k] : -1;
     lk[k] = e >= 0 && e / L == me ? e % L : -1;
+  }
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+    if (lk[k] < 0) continue;
+    const int64_t e = (int64_t)me * L + lk[k];
+    at[k] = src->exp_pre[e * W + word] + __popc(src->exp_bits[e * W + word] & below);
+    if (plan->kept && at[k] >= plan->kept[(int64_t)lk[k] * R + src_rank]) lk[k] = -1; /* dropped: budget */
   }
   o->m = 0;
 #pragma unroll
@@ -116,10 +124,8 @@ static __device__ void lane_local_slots(const epxc_shape_t *s, const epxc_plan_t
     int p = 0;
 #pragma unroll
     for (int q = 0; q < EPXC_MAX_TOPK; q++) p += lk[q] >= 0 && (lk[q] < lk[k] || (lk[q] == lk[k] && q < k));
-    const int64_t e = (int64_t)me * L + lk[k];
     o->pos[k] = p;
-    o->row[k] = plan->pair_base[(int64_t)lk[k] * R + src_rank] + src->exp_pre[e * W + word] +
-                __popc(src->exp_bits[e * W + word] & below);
+    o->row[k] = plan->pair_base[(int64_t)lk[k] * R + src_rank] + at[k];
     o->w[k] = src->weight[t * K + k];
     o->m++;
   }
