@@ -47,7 +47,7 @@ def _staged_all_reduce(orig):
     def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
         if not tensor.is_cuda:
             return orig(tensor, op=op, group=group, async_op=async_op)
-        host = tensor.detach().cpu()
+        host = tensor.detach().cpu().contiguous()
         orig(host, op=op, group=group)
         tensor.copy_(host)
         return _Done() if async_op else None

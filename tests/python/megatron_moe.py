@@ -134,8 +134,9 @@ def _run(layers, x, gy, fan=False):
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters():
             grads[f"layer{i}.{name}"] = p.grad.detach().clone() if p.grad is not None else None
-    out = torch.stack([o.detach() for o in outs]) if fan else h.detach()
-    return out, torch.stack([t.grad.detach() for t in xs]) if fan else xs[0].grad.detach(), grads, memory
+    if fan:
+        return torch.stack([o.detach() for o in outs]), torch.stack([t.grad.detach() for t in xs]), grads, memory
+    return h.detach(), xs[0].grad.detach(), grads, memory
 
 
 def _diff(a, b):
