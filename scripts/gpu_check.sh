@@ -179,6 +179,7 @@ fi
 # first GPU (tests/python/test_megatron_dropin.py, marked gpu); prints the memory a layer holds
 # in flight. megatron-core comes from wheelhouse/ (ci/install-megatron.sh --download where
 # there is internet, then carry it): installed into .megatron-site, the machine's Python untouched.
+# EPX_MEGATRON_K picks cases (pytest -k, e.g. ep2 or "ep4 and hybridep").
 if asked megatron; then
   first=${CUDA_VISIBLE_DEVICES:-0}
   site="$PWD/.megatron-site"
@@ -187,7 +188,7 @@ if asked megatron; then
     run megatron-install timeout 120 sh ci/install-megatron.sh --offline python3 "$site"
   fi
   run megatron-dropin-gpu env CUDA_VISIBLE_DEVICES=${first%%,*} EPX_LIBRARY="$PWD/$build/libepx.so" PYTHONPATH="$mpath" \
-    timeout 480 python3 -m pytest -q -s -rs -m gpu tests/python/test_megatron_dropin.py
+    timeout 480 python3 -m pytest -q -s -rs -m gpu ${EPX_MEGATRON_K:+-k "$EPX_MEGATRON_K"} tests/python/test_megatron_dropin.py
   grep -h 'in flight holds' "$logs/megatron-dropin-gpu.log" | tee "$out/megatron-memory.txt" \
     || echo "megatron: no memory report (did the tests skip? see $out/all.log)"
 fi
