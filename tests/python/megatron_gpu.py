@@ -14,8 +14,11 @@ from megatron_cpu import _Done
 
 
 def install():
-    """Call once per process, before anything touches CUDA: every rank on GPU 0."""
+    """Call once per process, before anything touches CUDA: every rank on GPU 0. bf16 GEMMs
+    keep their float32 partial sums (no reduced-precision split-K reduction), so the two
+    paths' experts differ by at most the one rounding of each output the tolerance allows."""
     torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def _staged_all_to_all(orig):
