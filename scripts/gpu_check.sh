@@ -2,13 +2,15 @@
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
 #   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [sanitize] [compare]
-#   [all]   (default all, which leaves out sanitize and compare; nvlink, scaling and nccl need
-#   2+ GPUs; scaling sweeps the SM budget; sweep runs epx-bench's token and SM sweeps and plots
-#   them (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of the nvlink shapes;
-#   sanitize runs compute-sanitizer memcheck over test_cuda_graph ht and ll and a subset of
-#   test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them); compare runs
-#   the bench shapes on another build, EPX_GPU_BUILD_BASE, and this one, alternating, and
-#   prints new / base per phase)
+#   [megatron] [all]   (default all, which leaves out sanitize, compare and megatron; nvlink,
+#   scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs epx-bench's token
+#   and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of
+#   the nvlink shapes; sanitize runs compute-sanitizer memcheck over test_cuda_graph ht and ll
+#   and a subset of test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them);
+#   compare runs the bench shapes on another build, EPX_GPU_BUILD_BASE, and this one,
+#   alternating, and prints new / base per phase; megatron runs Megatron-core's MoELayer on
+#   epx's CUDA backend, installing megatron-core from the carried wheelhouse/ where this Python
+#   lacks it)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -64,7 +66,7 @@ if want tests; then
     run test_cuda_mp_one_gpu env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 240 "$build/tests/gpu/test_cuda_mp"
   fi
   # the Python package on CUDA tensors (torch), against the CPU backend and dense references
-  run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -m gpu tests/python
+  run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -m "gpu and not megatron" tests/python
   run example-prefill-decode env EPX_LIBRARY="$PWD/$build/libepx.so" PYTHONPATH=python timeout 120 python3 examples/prefill_decode.py
 fi
 
@@ -171,6 +173,24 @@ for i in range(n):
         if b.get(ph + "_ms") and c.get(ph + "_ms"):
             print(f"{shape:44} {ph:9} {b[ph + '_ms']:9.4f} {c[ph + '_ms']:9.4f} {c[ph + '_ms'] / b[ph + '_ms']:8.3f}")
 PY
+fi
+# Megatron-core's own MoELayer with the flex dispatcher (deepep and hybridep) on epx's CUDA
+# backend against Megatron's alltoall, bf16, 8 layers in flight, every rank's process on the
+# first GPU (tests/python/test_megatron_dropin.py, marked gpu); prints the memory a layer holds
+# in flight. megatron-core comes from wheelhouse/ (ci/install-megatron.sh --download where
+# there is internet, then carry it): installed into .megatron-site, the machine's Python untouched.
+# EPX_MEGATRON_K picks cases (pytest -k, e.g. ep2 or "ep4 and hybridep").
+if asked megatron; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  site="$PWD/.megatron-site"
+  mpath="$site${PYTHONPATH:+:$PYTHONPATH}"
+  if ! PYTHONPATH="$mpath" python3 -c 'import megatron.core' 2>/dev/null; then
+    run megatron-install timeout 120 sh ci/install-megatron.sh --offline python3 "$site"
+  fi
+  run megatron-dropin-gpu env CUDA_VISIBLE_DEVICES=${first%%,*} EPX_LIBRARY="$PWD/$build/libepx.so" PYTHONPATH="$mpath" \
+    timeout 480 python3 -m pytest -q -s -rs -m gpu ${EPX_MEGATRON_K:+-k "$EPX_MEGATRON_K"} tests/python/test_megatron_dropin.py
+  grep -h 'in flight holds' "$logs/megatron-dropin-gpu.log" | tee "$out/megatron-memory.txt" \
+    || echo "megatron: no memory report (did the tests skip? see $out/all.log)"
 fi
 if want nccl && [ "$ngpu" -ge 2 ]; then
   run "nccl-ds3-ep$ngpu"     python3 -m torch.distributed.run --nproc-per-node "$ngpu" tools/nccl_baseline.py --tokens 4096 --iters 10

@@ -44,6 +44,7 @@ def pytest_report_header(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the CUDA backend (skipped otherwise)")
     config.addinivalue_line("markers", "torch: needs PyTorch (skipped without it)")
+    config.addinivalue_line("markers", "megatron: runs Megatron-core (scripts/gpu_check.sh megatron on a GPU)")
 
 
 @pytest.fixture
