@@ -311,6 +311,11 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int6
   }
 }
 
+/* A plan's status from the key its build left (the first bad token's, all ones: none). */
+static __device__ __forceinline__ int32_t plan_status(uint64_t bad_key) {
+  return bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(bad_key & 0xff);
+}
+
 /* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), by warps
  * `first`, first + step, ... of the launch, and each row's total: the counts (tokens per rank,
  * then pairs per expert). Rows of a few words (a decode step's) go a lane per row, its words

@@ -73,10 +73,7 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
 /* Prefix popcounts and counts of every bitmap row, a warp per row; the bad-token key the
  * build left becomes this rank's status for the exchange. */
 static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const uint64_t key = plan->bad_key;
-    plan->status = key == ~0ull ? EPX_SUCCESS : (int32_t)(key & 0xff);
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
   plan_prefix(&s, plan, warp_global(), warp_count());
 }
 
