@@ -24,9 +24,6 @@
  * 8 x 512 bytes = 64 KB of loads per SM. */
 #define EPXC_FP8_THREADS 512
 #define EPXC_FP8_AHEAD 8
-/* The expert layout's partials (ht.cu): a lane holds its token's slots while the warp sums the
- * batch, so half-size blocks give it 128 registers. */
-#define EPXC_PARTIAL_THREADS 512
 #define EPXC_EXCHANGE_THREADS 64    /* the one-block exchange kernel: thread r talks to rank r */
 #define EPXC_LAYOUT_THREADS 256     /* layout: a thread per token */
 #define EPXC_NOTIFY_THREADS 512     /* notify's build (a thread per token) and prefix (a warp per row) */

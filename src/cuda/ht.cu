@@ -13,19 +13,21 @@
  *  - per token (a warp per token, 16-byte vectors through registers): the dispatches that
  *    convert (fp8, quantised per 128 channels on the fly; scaled by the routing weight), and
  *    every dispatch on devices without the bulk-copy engine.
- * Combine: the partials (expert layout) go in batches of a bitmap word, as the dispatch's
- * description does; the sums on the source a warp per token. */
+ * Combine goes a warp per token. */
 #include "cuda/bulk.cuh"
 
 /* ---- dispatch, a warp per token ----------------------------------------------------------- */
 
 static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_token_kernel(epxc_shape_t s, epxc_group_t g,
                                                                       const epxc_plan_t *plan, epxc_dispatch_t a) {
-  if (!dispatch_begin(&s, &g, plan, &a)) return;
+  if (plan_void(&g, plan)) return;
   const int K = s.topk, L = s.num_local, R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
   const bool fp8 = a.recv_dtype == EPX_FP8_E4M3;
   const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const size_t recv_row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
+  if (!output_fits(&s, &g, plan, &a)) return;
+  write_counts(&s, plan, &a);
+  zero_padding(&s, plan, &a);
 
   const bool raw = a.recv_dtype == a.x_dtype && !(a.scale_by_probs && s.expert_layout);
   for (int src_rank = 0; src_rank < R; src_rank++) {
@@ -172,7 +174,10 @@ static __device__ void describe_dispatch(const epxc_shape_t *s, const epxc_plan_
 static __global__ void __launch_bounds__(EPXC_BULK_WARPS * EPXC_WARP) dispatch_bulk_kernel(epxc_shape_t s, epxc_group_t g,
                                                                                         const epxc_plan_t *plan,
                                                                                         epxc_dispatch_t a) {
-  if (!dispatch_begin(&s, &g, plan, &a)) return;
+  if (plan_void(&g, plan)) return;
+  if (!output_fits(&s, &g, plan, &a)) return;
+  write_counts(&s, plan, &a);
+  zero_padding(&s, plan, &a);
   bulk_warp_t *w = bulk_warp_setup();
   bulk_ring_t ring = {0, 0};
   const int32_t row_bytes = (int32_t)(s.hidden * dtype_bytes(a.recv_dtype));
@@ -196,7 +201,10 @@ template <int IN>
 static __global__ void __launch_bounds__(EPXC_FP8_THREADS) dispatch_fp8_kernel(epxc_shape_t s, epxc_group_t g,
                                                                             const epxc_plan_t *plan,
                                                                             epxc_dispatch_t a) {
-  if (!dispatch_begin(&s, &g, plan, &a)) return;
+  if (plan_void(&g, plan)) return;
+  if (!output_fits(&s, &g, plan, &a)) return;
+  write_counts(&s, plan, &a);
+  zero_padding(&s, plan, &a);
   extern __shared__ __align__(16) uint8_t fp8_smem[];
   bulk_batch_t *b = (bulk_batch_t *)fp8_smem + threadIdx.x / EPXC_WARP;
   constexpr int AHEAD = IN == EPX_BFLOAT16 ? EPXC_FP8_AHEAD : EPXC_FP8_AHEAD / 2;
@@ -213,36 +221,12 @@ static __global__ void __launch_bounds__(EPXC_FP8_THREADS) dispatch_fp8_kernel(e
 
 static size_t fp8_smem_bytes(void) { return sizeof(bulk_batch_t) * (EPXC_FP8_THREADS / EPXC_WARP); }
 
-/* ---- combine ------------------------------------------------------------------------------- */
-
-/* Lane i's token of a partials batch: its rows here (described in lane i's `o`) weighted and
- * summed into partial row n, in o's order (ascending local expert): the contract's. Rows of
- * type Y. */
-template <epx_dtype_t Y>
-static __device__ void partial_of_job(const epxc_combine_t *a, int hidden, const lane_slots_t *o, int i, int64_t n) {
-  const void *rows[EPXC_MAX_TOPK];
-  float w[EPXC_MAX_TOPK];
-  const int m = __shfl_sync(0xffffffffu, o->m, i);
-#pragma unroll
-  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
-    const int p = __shfl_sync(0xffffffffu, o->pos[k], i);
-    const int64_t row = __shfl_sync(0xffffffffu, o->row[k], i);
-    const float wk = __shfl_sync(0xffffffffu, o->w[k], i);
-    if (p < 0) continue;
-    rows[p] = row_at(a->y, Y, row, hidden);
-    w[p] = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row] : wk;
-  }
-  reduce_rows_ahead<EPXC_AHEAD(Y)>(rows, w, m, Y, row_at_mut(a->partials, Y, n, hidden), Y, hidden);
-}
+/* ---- combine, a warp per token ------------------------------------------------------------ */
 
 /* Expert layout, on the destination: partial[n] = round(sum over local experts ascending of
- * w * y[row]), one per arrived token. A warp takes a bitmap word of a source, as the dispatch
- * does: each lane looks up its token's slots here (the source's routing is a peer's memory:
- * the round trips are paid once for 32 tokens), then the warp sums the tokens one by one. */
-template <epx_dtype_t Y>
-static __global__ void __launch_bounds__(EPXC_PARTIAL_THREADS) partials_token_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                                   const epxc_plan_t *plan,
-                                                                                   epxc_combine_t a) {
+ * w * y[row]), one per arrived token. */
+static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                            const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan) || plan->refused) return;
   if (plan->num_recv > a.partial_rows) { /* the dispatch this inverts never ran with these sizes */
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -251,21 +235,16 @@ static __global__ void __launch_bounds__(EPXC_PARTIAL_THREADS) partials_token_ke
     }
     return;
   }
-  const int me = s.rank, lane = lane_id();
-  int src_rank;
-  int64_t word;
-  for (int64_t item = warp_global(); batch_of(&s, plan, item, &src_rank, &word); item += warp_count()) {
+  const int R = s.nranks, me = s.rank, H = s.hidden;
+  for (int src_rank = 0; src_rank < R; src_rank++) {
     const epxc_peer_t *src = &plan->peer[src_rank];
-    const uint32_t bits = bits_here(&s, src, word);
-    lane_slots_t o;
-    int64_t n = 0;
-    if ((bits >> lane) & 1) {
-      lane_local_slots(&s, plan, src_rank, src, word * EPXC_WARP + lane, &o);
-      n = plan->tok_base[src_rank] + src->rank_pre[(int64_t)me * src->words + word] + __popc(bits & ((1u << lane) - 1u));
-    }
-    for (uint32_t rest = bits; rest; rest &= rest - 1) {
-      const int i = __ffs(rest) - 1;
-      partial_of_job<Y>(&a, s.hidden, &o, i, __shfl_sync(0xffffffffu, n, i));
+    const int64_t T = src->num_tokens, W = src->words;
+    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
+    const int32_t *pre = src->rank_pre + (int64_t)me * W;
+    for (int64_t t = warp_global(); t < T; t += warp_count()) {
+      if (!bit_set(bits, t)) continue;
+      const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
+      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, a.y_dtype, n, H));
     }
   }
 }
@@ -356,13 +335,9 @@ extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const
   return (int)cudaGetLastError();
 }
 
-static combine_kernel_t partials_of(epx_dtype_t y) {
-  return y == EPX_FLOAT32 ? partials_token_kernel<EPX_FLOAT32> : partials_token_kernel<EPX_BFLOAT16>;
-}
-
 extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                                      const epxc_combine_t *a, void *stream) {
-  partials_of(a->y_dtype)<<<s->num_sms, EPXC_PARTIAL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  partials_token_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
   return (int)cudaGetLastError();
 }
 
@@ -390,8 +365,7 @@ extern "C" int epxc_preload_ht(size_t *stack) {
       (const void *)fp8_kernel_of(EPX_FLOAT32),
       (const void *)fp8_kernel_of(EPX_BFLOAT16),
       (const void *)dispatch_token_kernel,
-      (const void *)partials_of(EPX_FLOAT32),
-      (const void *)partials_of(EPX_BFLOAT16),
+      (const void *)partials_token_kernel,
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_FLOAT32),
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_BFLOAT16),
       (const void *)reduce_token_of(EPX_BFLOAT16, EPX_FLOAT32),

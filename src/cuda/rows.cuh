@@ -251,16 +251,6 @@ static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g,
   return fits;
 }
 
-/* What every high-throughput dispatch kernel does first: nothing more when the plan is void or
- * the receive buffer too small (false); block 0 writes the counts, the padding rows are zeroed. */
-static __device__ bool dispatch_begin(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
-                                      const epxc_dispatch_t *a) {
-  if (plan_void(g, plan) || !output_fits(s, g, plan, a)) return false;
-  write_counts(s, plan, a);
-  zero_padding(s, plan, a);
-  return true;
-}
-
 /* out = round(sum over j < m, in order, of fl(w[j] * float(rows[j]))), one row by a warp;
  * w NULL sums the rows as they are. Every product is rounded before it is added, the sum is
  * float32 from 0, rounded once: the contract's arithmetic. A lane takes two 8-channel chunks
