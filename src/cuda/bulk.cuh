@@ -19,8 +19,7 @@
  * from shared memory, ran at 36-38 GB/s per SM against the per-token kernels' 68-78; an fp8
  * dispatch quantising from the staged chunk, at 10.6 GB/s per SM against 22.5. With one
  * 8-warp block per SM (the stages fill shared memory) the lanes' arithmetic, not memory,
- * bound both: the ring pays where the bytes pass through untouched. The fp8 dispatch shares
- * the batches (bulk_batch_t, described the same way) but moves its rows through registers. */
+ * bound both: the ring pays where the bytes pass through untouched. */
 #ifndef EPX_CUDA_BULK_CUH
 #define EPX_CUDA_BULK_CUH
 
@@ -30,20 +29,15 @@
 /* ---- a warp's shared memory --------------------------------------------------------------- */
 
 typedef struct {
-  const void *src;              /* the row read */
-  int64_t row[EPXC_MAX_TOPK];   /* the receive rows written, m of them */
+  const void *src;            /* the row read */
+  void *dst[EPXC_MAX_TOPK];   /* the rows written, m of them */
 } bulk_copy_job_t;
-
-/* A batch: a bitmap word's tokens, each a job (ht.cu's dispatches describe them). */
-typedef struct {
-  int8_t m[EPXC_BULK_BATCH]; /* rows of each job; 0: none */
-  bulk_copy_job_t job[EPXC_BULK_BATCH];
-} bulk_batch_t;
 
 typedef struct {
   __align__(128) uint8_t stage[EPXC_BULK_STAGES][EPXC_BULK_STAGE_BYTES];
   uint64_t full[EPXC_BULK_STAGES]; /* a stage's bytes have landed */
-  bulk_batch_t batch;
+  int8_t m[EPXC_BULK_BATCH];       /* rows of each job; 0: none */
+  bulk_copy_job_t job[EPXC_BULK_BATCH];
 } bulk_warp_t;
 
 static_assert(EPXC_BULK_BATCH == EPXC_WARP, "a batch is a bitmap word: a lane describes each job");
@@ -78,7 +72,7 @@ typedef struct {
 
 static __device__ void cursor_seek(const bulk_warp_t *w, bulk_cursor_t *c, int from) {
   c->off = 0;
-  for (c->job = from; c->job < EPXC_BULK_BATCH && w->batch.m[c->job] <= 0; c->job++) {
+  for (c->job = from; c->job < EPXC_BULK_BATCH && w->m[c->job] <= 0; c->job++) {
   }
 }
 
@@ -94,15 +88,14 @@ static __device__ void copy_load_next(bulk_warp_t *w, bulk_ring_t *r, bulk_curso
   const int s = r->loaded % EPXC_BULK_STAGES;
   const uint32_t bytes = (uint32_t)min(EPXC_BULK_STAGE_BYTES, row_bytes - c->off);
   mbar_expect(&w->full[s], bytes);
-  bulk_load(w->stage[s], (const uint8_t *)w->batch.job[c->job].src + c->off, bytes, &w->full[s]);
+  bulk_load(w->stage[s], (const uint8_t *)w->job[c->job].src + c->off, bytes, &w->full[s]);
   r->loaded++;
   cursor_step(w, c, EPXC_BULK_STAGE_BYTES, row_bytes);
 }
 
-/* Moves every job of the batch into its rows of `recv`: lane 0 drives the ring, the other
- * lanes wait at the end. A stage is loaded again only once the stores that read it last have
- * read it. */
-static __device__ void bulk_copy_batch(bulk_warp_t *w, bulk_ring_t *r, uint8_t *recv, int32_t row_bytes) {
+/* Moves every job of the batch: lane 0 drives the ring, the other lanes wait at the end. A
+ * stage is loaded again only once the stores that read it last have read it. */
+static __device__ void bulk_copy_batch(bulk_warp_t *w, bulk_ring_t *r, int32_t row_bytes) {
   if (lane_id() == 0) {
     bulk_cursor_t ld, st;
     cursor_seek(w, &ld, 0);
@@ -113,9 +106,9 @@ static __device__ void bulk_copy_batch(bulk_warp_t *w, bulk_ring_t *r, uint8_t *
     while (st.job < EPXC_BULK_BATCH) {
       const int s = r->consumed % EPXC_BULK_STAGES;
       mbar_wait(&w->full[s], (r->consumed / EPXC_BULK_STAGES) & 1);
-      const bulk_copy_job_t *j = &w->batch.job[st.job];
+      const bulk_copy_job_t *j = &w->job[st.job];
       const uint32_t bytes = (uint32_t)min(EPXC_BULK_STAGE_BYTES, row_bytes - st.off);
-      for (int k = 0; k < w->batch.m[st.job]; k++) bulk_store(recv + j->row[k] * row_bytes + st.off, w->stage[s], bytes);
+      for (int k = 0; k < w->m[st.job]; k++) bulk_store((uint8_t *)j->dst[k] + st.off, w->stage[s], bytes);
       bulk_commit();
       r->consumed++;
       cursor_step(w, &st, EPXC_BULK_STAGE_BYTES, row_bytes);

@@ -19,11 +19,6 @@
  * GPU must be resident at once: half-size blocks leave room for two per SM. */
 #define EPXC_LL_THREADS 512
 #define EPXC_LL_BLOCKS_PER_SM 2
-/* The fp8 dispatch (ht.cu): half-size blocks give a lane 128 registers, for
- * EPXC_FP8_AHEAD bf16 chunks of 16 bytes in flight (float32: half as many of 32): 16 warps x
- * 8 x 512 bytes = 64 KB of loads per SM. */
-#define EPXC_FP8_THREADS 512
-#define EPXC_FP8_AHEAD 8
 #define EPXC_EXCHANGE_THREADS 64    /* the one-block exchange kernel: thread r talks to rank r */
 #define EPXC_LAYOUT_THREADS 256     /* layout: a thread per token */
 #define EPXC_NOTIFY_THREADS 512     /* notify's build (a thread per token) and prefix (a warp per row) */

@@ -131,23 +131,23 @@ static __device__ void lane_local_slots(const epxc_shape_t *s, const epxc_plan_t
   }
 }
 
-/* Lane i: token t = 32 word + i of src_rank, if it comes here: where it is read and the
- * receive rows it is written to (with its routing: recv_topk_* in the token layout,
- * recv_probs in the expert layout), as job i of the batch. */
+/* Lane i: token t = 32 word + i of src_rank, if it comes here: where it is read and the rows
+ * it is written to (with its routing: recv_topk_* in the token layout, recv_probs in the
+ * expert layout). */
 static __device__ void describe_dispatch(const epxc_shape_t *s, const epxc_plan_t *plan, const epxc_group_t *g,
-                                         int src_rank, int64_t word, const epxc_dispatch_t *a, bulk_batch_t *b) {
+                                         int src_rank, int64_t word, const epxc_dispatch_t *a, bulk_warp_t *w) {
   const int K = s->topk, L = s->num_local, me = s->rank, lane = lane_id();
   const epxc_peer_t *src = &plan->peer[src_rank];
   const int64_t W = src->words, t = word * EPXC_WARP + lane;
-  const size_t xb = (size_t)s->hidden * dtype_bytes(a->x_dtype);
+  const size_t rb = (size_t)s->hidden * dtype_bytes(a->recv_dtype);
   const uint32_t bits = bits_here(s, src, word);
-  bulk_copy_job_t *j = &b->job[lane];
+  bulk_copy_job_t *j = &w->job[lane];
   int m = 0;
   if ((bits >> lane) & 1) {
-    j->src = (const uint8_t *)peer_ptr(g, src_rank, posted(g, src_rank)->ht_dispatch.x) + t * xb;
+    j->src = (const uint8_t *)peer_ptr(g, src_rank, posted(g, src_rank)->ht_dispatch.x) + t * rb;
     if (!s->expert_layout) {
       const int64_t n = plan->tok_base[src_rank] + src->rank_pre[(int64_t)me * W + word] + __popc(bits & ((1u << lane) - 1u));
-      j->row[0] = n;
+      j->dst[0] = (uint8_t *)a->recv_x + n * rb;
       m = 1;
       for (int k = 0; k < K; k++) {
         const int e = src->idx[t * K + k];
@@ -161,13 +161,13 @@ static __device__ void describe_dispatch(const epxc_shape_t *s, const epxc_plan_
 #pragma unroll
       for (int k = 0; k < EPXC_MAX_TOPK; k++) {
         if (o.pos[k] < 0) continue;
-        j->row[o.pos[k]] = o.row[k];
+        j->dst[o.pos[k]] = (uint8_t *)a->recv_x + o.row[k] * rb;
         if (a->recv_probs) a->recv_probs[o.row[k]] = o.w[k];
       }
       m = o.m;
     }
   }
-  b->m[lane] = (int8_t)m;
+  w->m[lane] = (int8_t)m;
   __syncwarp();
 }
 
@@ -184,42 +184,11 @@ static __global__ void __launch_bounds__(EPXC_BULK_WARPS * EPXC_WARP) dispatch_b
   int src_rank;
   int64_t word;
   for (int64_t item = warp_global(); batch_of(&s, plan, item, &src_rank, &word); item += warp_count()) {
-    describe_dispatch(&s, plan, &g, src_rank, word, &a, &w->batch);
-    bulk_copy_batch(w, &ring, (uint8_t *)a.recv_x, row_bytes);
+    describe_dispatch(&s, plan, &g, src_rank, word, &a, w);
+    bulk_copy_batch(w, &ring, row_bytes);
   }
   bulk_copy_finish();
 }
-
-/* ---- dispatch to fp8, batched ------------------------------------------------------------ */
-
-/* fp8 rows no destination scales: a warp describes a bitmap word's tokens at once, as the
- * pipelined kernel does, then quantises each token's row once (IN: its type) and stores it
- * to every receive row, with EPXC_FP8_AHEAD chunks of loads in flight per lane. The
- * conversion is the lanes' arithmetic, so the bytes go through registers, not a stage
- * (bulk.cuh says what staging them measured). */
-template <int IN>
-static __global__ void __launch_bounds__(EPXC_FP8_THREADS) dispatch_fp8_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                            const epxc_plan_t *plan,
-                                                                            epxc_dispatch_t a) {
-  if (plan_void(&g, plan)) return;
-  if (!output_fits(&s, &g, plan, &a)) return;
-  write_counts(&s, plan, &a);
-  zero_padding(&s, plan, &a);
-  extern __shared__ __align__(16) uint8_t fp8_smem[];
-  bulk_batch_t *b = (bulk_batch_t *)fp8_smem + threadIdx.x / EPXC_WARP;
-  constexpr int AHEAD = IN == EPX_BFLOAT16 ? EPXC_FP8_AHEAD : EPXC_FP8_AHEAD / 2;
-  int src_rank;
-  int64_t word;
-  for (int64_t item = warp_global(); batch_of(&s, plan, item, &src_rank, &word); item += warp_count()) {
-    describe_dispatch(&s, plan, &g, src_rank, word, &a, b);
-    for (int i = 0; i < EPXC_BULK_BATCH; i++)
-      if (b->m[i] > 0)
-        quantise_row<IN, AHEAD>(b->job[i].src, s.hidden, (uint8_t *)a.recv_x, a.recv_scales, b->job[i].row, b->m[i]);
-    __syncwarp(); /* every lane is done with the batch before the next is described */
-  }
-}
-
-static size_t fp8_smem_bytes(void) { return sizeof(bulk_batch_t) * (EPXC_FP8_THREADS / EPXC_WARP); }
 
 /* ---- combine, a warp per token ------------------------------------------------------------ */
 
@@ -303,33 +272,20 @@ static combine_kernel_t reduce_token_of(epx_dtype_t y, epx_dtype_t out) {
 
 /* The rule. Dispatch: on devices with the bulk-copy engine (sm_90), rows that arrive as they
  * were sent move by bulk copies (every row is a multiple of 16 bytes: src/core refuses others);
- * fp8 rows that no destination scales are quantised once per token in batches, on every
- * device; rows scaled by the routing weight (and raw rows before sm_90) go a warp per token. Combine:
+ * rows converted on the way (fp8, scaled by the routing weight) go a warp per token. Combine:
  * a warp per token, its element types fixed at compile time (a staged, pipelined combine was
  * measured slower: bulk.cuh). */
 static bool ht_bulk_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
   return s->bulk_copies && a->recv_dtype == a->x_dtype && !(a->scale_by_probs && s->expert_layout);
 }
 
-/* fp8 rows no destination scales: quantised once per token, by the batched kernel. */
-static bool ht_fp8_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
-  return a->recv_dtype == EPX_FP8_E4M3 && !(a->scale_by_probs && s->expert_layout);
-}
-
 static_assert(sizeof(bulk_warp_t) * EPXC_BULK_WARPS <= EPXC_SMEM_MAX, "a pipelined block fits shared memory");
-
-typedef void (*dispatch_kernel_t)(epxc_shape_t, epxc_group_t, const epxc_plan_t *, epxc_dispatch_t);
-static dispatch_kernel_t fp8_kernel_of(epx_dtype_t x) {
-  return x == EPX_BFLOAT16 ? dispatch_fp8_kernel<EPX_BFLOAT16> : dispatch_fp8_kernel<EPX_FLOAT32>;
-}
 
 extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                              const epxc_dispatch_t *a, void *stream) {
   cudaStream_t st = (cudaStream_t)stream;
   if (ht_bulk_dispatch(s, a))
     dispatch_bulk_kernel<<<s->num_sms, EPXC_BULK_WARPS * EPXC_WARP, bulk_smem_bytes(), st>>>(*s, *g, plan_dev, *a);
-  else if (ht_fp8_dispatch(s, a))
-    fp8_kernel_of(a->x_dtype)<<<s->num_sms, EPXC_FP8_THREADS, fp8_smem_bytes(), st>>>(*s, *g, plan_dev, *a);
   else
     dispatch_token_kernel<<<s->num_sms, EPXC_THREADS, 0, st>>>(*s, *g, plan_dev, *a);
   return (int)cudaGetLastError();
@@ -356,14 +312,9 @@ extern "C" int epxc_preload_ht(size_t *stack) {
   if (e == cudaSuccess && major >= 9)
     e = cudaFuncSetAttribute((const void *)dispatch_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)bulk_smem_bytes());
-  for (int i = 0; i < 2 && e == cudaSuccess; i++)
-    e = cudaFuncSetAttribute((const void *)fp8_kernel_of(i ? EPX_BFLOAT16 : EPX_FLOAT32),
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fp8_smem_bytes());
   if (e != cudaSuccess) return (int)e;
   const void *const kernels[] = {
       (const void *)dispatch_bulk_kernel,
-      (const void *)fp8_kernel_of(EPX_FLOAT32),
-      (const void *)fp8_kernel_of(EPX_BFLOAT16),
       (const void *)dispatch_token_kernel,
       (const void *)partials_token_kernel,
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_FLOAT32),

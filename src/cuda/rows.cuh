@@ -96,68 +96,6 @@ static __device__ void copy_row_raw(const void *src, void *const *dst, int m, in
   }
 }
 
-/* One 8-channel chunk of a lane, x (times f when scaled; zeros when not live), quantised to
- * e4m3 with its 128-channel block's scale: the block is 16 lanes' chunks, so all 32 lanes
- * must call it. */
-typedef struct {
-  uint2 bytes; /* the chunk's 8 e4m3 values */
-  float amax;  /* its block's amax, floored: the block's scale is amax / EPXC_FP8_MAX */
-} fp8_chunk_t;
-
-static __device__ __forceinline__ fp8_chunk_t quantise8(const float *x, float f, bool scaled, bool live) {
-  float v[8], amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; i++) {
-    v[i] = live ? (scaled ? __fmul_rn(f, x[i]) : x[i]) : 0.0f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-#pragma unroll
-  for (int o = EPXC_FP8_BLOCK_LANES / 2; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  fp8_chunk_t out;
-  out.amax = fmaxf(amax, EPXC_FP8_AMAX_FLOOR);
-  const float sc = __fdiv_rn(EPXC_FP8_MAX, out.amax);
-  uint32_t q[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
-  out.bytes = make_uint2(q[0], q[1]);
-  return out;
-}
-
-/* fp8 rows that no destination scales: every receive row gets the same bytes, so a lane
- * quantises each chunk once and stores it to all m rows (`rows`, indices into recv_x and
- * recv_scales). It loads AHEAD chunks of the row before it converts any: a warp on a row is
- * bound by the loads it has in flight. IN, the row's type, is fixed so a bf16 chunk takes 4
- * registers (a float32 one 8); the caller picks AHEAD for the registers a lane has. */
-template <int IN, int AHEAD>
-static __device__ void quantise_row(const void *src, int hidden, uint8_t *recv_x, float *recv_scales,
-                                    const int64_t *rows, int m) {
-  const int lane = lane_id(), blocks = (hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  const epx_dtype_t in = (epx_dtype_t)IN;
-  for (int64_t c0 = 0; c0 < hidden; c0 += AHEAD * EPXC_CHUNK_CHANNELS) {
-    raw8_t raw[AHEAD];
-#pragma unroll
-    for (int u = 0; u < AHEAD; u++) {
-      const int64_t c = c0 + u * EPXC_CHUNK_CHANNELS + EPXC_LANE_CHANNELS * lane;
-      if (c < hidden) raw[u] = load_raw8(src, in, c);
-    }
-#pragma unroll
-    for (int u = 0; u < AHEAD; u++) {
-      if (c0 + u * EPXC_CHUNK_CHANNELS >= hidden) break; /* the same for every lane */
-      const int64_t c = c0 + u * EPXC_CHUNK_CHANNELS + EPXC_LANE_CHANNELS * lane;
-      const bool live = c < hidden;
-      float x[8];
-      if (live) widen8(raw[u], in, x);
-      const fp8_chunk_t q = quantise8(x, 1.0f, false, live);
-      if (!live) continue;
-      for (int j = 0; j < m; j++) *(uint2 *)(recv_x + rows[j] * hidden + c) = q.bytes;
-      if ((lane & (EPXC_FP8_BLOCK_LANES - 1)) == 0) {
-        const float scale = __fdiv_rn(q.amax, EPXC_FP8_MAX);
-        for (int j = 0; j < m; j++) recv_scales[rows[j] * blocks + c / EPX_FP8_BLOCK] = scale;
-      }
-    }
-  }
-}
-
 /* Converts a row to m destinations, each scaled by its factor (1 leaves it as is), in the
  * receive type; fp8 rows get one scale per 128 channels. Otherwise a lane loads two 8-channel
  * chunks before it converts either, so two loads are in flight. */
@@ -165,19 +103,30 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
                                    void *const *dst, float *const *scales, const float *factor, int scaled, int m) {
   const int lane = lane_id();
   if (recv_dtype == EPX_FP8_E4M3) {
-    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. One chunk at a time,
-     * quantised for each destination apart (each may scale it by its own factor): the
-     * kernels that can afford registers for more call quantise_row instead. */
+    /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. One chunk at a time:
+     * holding two costs spills that lose more than the second load gains. */
     for (int64_t c0 = 0; c0 < hidden; c0 += EPXC_CHUNK_CHANNELS) {
       const int64_t c = c0 + EPXC_LANE_CHANNELS * lane;
       const bool live = c < hidden;
       float x[8];
       if (live) load8(src, x_dtype, c, x);
       for (int j = 0; j < m; j++) {
-        const fp8_chunk_t q = quantise8(x, factor[j], scaled, live);
+        float v[8], amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          v[i] = live ? (scaled ? __fmul_rn(factor[j], x[i]) : x[i]) : 0.0f;
+          amax = fmaxf(amax, fabsf(v[i]));
+        }
+#pragma unroll
+        for (int o = EPXC_FP8_BLOCK_LANES / 2; o >= 1; o >>= 1)
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float a = fmaxf(amax, EPXC_FP8_AMAX_FLOOR), sc = __fdiv_rn(EPXC_FP8_MAX, a);
         if (live) {
-          *(uint2 *)((uint8_t *)dst[j] + c) = q.bytes;
-          if ((lane & (EPXC_FP8_BLOCK_LANES - 1)) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(q.amax, EPXC_FP8_MAX);
+          uint32_t q[2] = {0, 0};
+#pragma unroll
+          for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
+          *(uint2 *)((uint8_t *)dst[j] + c) = make_uint2(q[0], q[1]);
+          if ((lane & (EPXC_FP8_BLOCK_LANES - 1)) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, EPXC_FP8_MAX);
         }
       }
     }
