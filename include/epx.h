@@ -357,8 +357,8 @@ typedef struct {
   int64_t recv_budget;  /* expert layout, EPX_ALGO_HT: at most this many rows (padding included)
                            arrive on this rank; pairs past it are dropped (docs/design.md,
                            "Receive budget"). 0 = no budget. Ranks may pass different budgets.
-                           Backends that cannot drop yet (CUDA) refuse a budget with
-                           EPX_ERR_UNSUPPORTED at epx_handle_create. */
+                           Backends that cannot drop refuse a budget with EPX_ERR_UNSUPPORTED
+                           at epx_handle_create (the host and CUDA backends both drop). */
 } epx_handle_config_t;
 
 EPX_API void epx_handle_config_init(epx_handle_config_t *hc);
@@ -451,10 +451,11 @@ typedef struct {
   int scale_by_probs;         /* expert layout: multiply each row by its weight (float32
                                  product, rounded once): combine's backward */
   epx_part_t part;            /* EPX_PART_ALL unless split (see epx_part_t) */
-  int32_t *dropped;           /* optional: [1], where the backend computes: the pairs the whole
-                                 group dropped past its receive budgets in this plan, 0 when
-                                 none (the same on every rank). Written by backends that take a
-                                 budget; the others (which refuse one) leave it as it is */
+  int32_t *dropped;           /* optional: [1], where the backend computes (CUDA: device
+                                 memory): the pairs the whole group dropped past its receive
+                                 budgets in this plan, 0 when none (the same on every rank).
+                                 Written by backends that take a budget (low-latency mode,
+                                 which has none, leaves it as it is on CUDA) */
 } epx_dispatch_args_t;
 
 EPX_API void epx_dispatch_args_init(epx_dispatch_args_t *args);

@@ -41,8 +41,8 @@ class Handle(_Owned):
 
     ``recv_budget`` (expert layout of 'ht'): at most that many rows arrive on this rank; pairs
     past it are dropped by the contract's rule (docs/design.md, "Receive budget") and
-    ``DispatchResult.dropped`` ([1] int32) counts the pairs the whole group dropped. The CUDA
-    backend refuses a budget for now (:class:`UnsupportedError`).
+    ``DispatchResult.dropped`` ([1] int32, on the device with CUDA tensors) counts the pairs
+    the whole group dropped. Both backends drop the same pairs.
 
     Re-plan it with new routings as often as you like (``notify`` or ``dispatch`` with a
     routing). ``plan_id`` counts the plans, so a backward pass can tell the plan it needs is

@@ -127,6 +127,8 @@ static __device__ void peer_view(const epxc_group_t *g, int r, uint64_t p, epxc_
   v->send_base = src->send_base; /* inside the struct: already reached through src */
   v->pair_send_base = (const int64_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->pair_send_base);
   v->pair_base = (const int64_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->pair_base);
+  v->kept = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->kept);
+  v->dropped = &src->dropped; /* inside the struct, as send_base */
 }
 
 /* ---- elements ------------------------------------------------------------------------- */
@@ -307,6 +309,11 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, int6
     const uint32_t word = __reduce_or_sync(word_mates, ((ranks >> d) & 1) ? bit : 0u);
     if (leader && word) atomicOr(&plan->rank_bits[(int64_t)d * W + (t >> 5)], word);
   }
+}
+
+/* A plan's status from the key its build left (the first bad token's, all ones: none). */
+static __device__ __forceinline__ int32_t plan_status(uint64_t bad_key) {
+  return bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(bad_key & 0xff);
 }
 
 /* Exclusive prefix popcounts of the bitmap rows (R rank rows, then E expert rows), by warps

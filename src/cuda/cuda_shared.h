@@ -172,6 +172,9 @@ typedef struct {
   const int64_t *send_base;      /* its send_base[R] */
   const int64_t *pair_send_base; /* its [E + 1] */
   const int64_t *pair_base;      /* its [L, R]: where sources' pairs land on that rank */
+  const int32_t *kept;           /* its [L, R]: of each source's pairs of local expert l, how many
+                                    that rank keeps (the first ones); NULL: all */
+  const int64_t *dropped;        /* the pairs that rank dropped past its receive budget */
 } epxc_peer_t;
 
 /* The plan of one dispatch, in device memory. The send side is written by this rank's notify
@@ -203,6 +206,9 @@ typedef struct epxc_plan {
   int64_t send_base[EPX_MAX_RANKS]; /* all-to-all: first send-buffer row of this rank's tokens for d */
   int64_t *pair_send_base; /* all-to-all: [E + 1] first send-buffer row of this rank's pairs of e */
   int64_t *pair_base;     /* [L, R]: first row of source s's pairs of local expert l */
+  int32_t *kept;          /* [L, R]: how many of them this rank keeps, the first ones (all but
+                             past a receive budget); NULL in low-latency plans: all */
+  int64_t dropped;        /* pairs this rank dropped past its receive budget */
   int64_t *block;         /* [L + 1]: first row of local expert l's block; block[L] = rows */
   int32_t *pairs_local;   /* [L] */
   int64_t num_recv;       /* tokens arriving */
@@ -219,6 +225,7 @@ typedef struct {
   int num_sms;
   int bulk_copies;   /* the device has the bulk-copy engine (sm_90 and later) and EPX_HT_PIPELINED is
                         not 0: see ht.cu */
+  int64_t recv_budget; /* this rank's receive budget in rows (expert layout), 0: none */
 } epxc_shape_t;
 
 typedef struct {
@@ -232,6 +239,7 @@ typedef struct {
   float *recv_probs;
   int32_t *tokens_per_local_expert;
   int64_t *num_recv_rows;
+  int32_t *dropped;    /* [1]: the pairs the group dropped past its receive budgets */
   int scale_by_probs;
   int report_capacity; /* record an output too small on the device (sync-free mode) */
   int part;            /* epx_part_t: low-latency kernels run the half asked for */

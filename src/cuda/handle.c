@@ -54,6 +54,7 @@ static epx_status_t handle_make(epx_handle_t *h) {
   CUDA_TRY(cudaSetDevice(cc->device), "cudaSetDevice");
   EPX_CHECK(dev_alloc(cc, (void **)&ch->dev, sizeof(epxc_plan_t), st, what));
   EPX_CHECK(dev_alloc(cc, (void **)&ch->host.pair_base, sizeof(int64_t) * L * R, st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->host.kept, sizeof(int32_t) * L * R, st, what));
   EPX_CHECK(dev_alloc(cc, (void **)&ch->host.block, sizeof(int64_t) * (L + 1), st, what));
   EPX_CHECK(dev_alloc(cc, (void **)&ch->host.pairs_local, sizeof(int32_t) * L, st, what));
   EPX_CHECK(dev_alloc(cc, (void **)&ch->host.counts, sizeof(int32_t) * (R + E), st, what));
@@ -85,8 +86,8 @@ static void cuda_handle_destroy(epx_handle_t *h) {
    * it, which the closing exchange of an operation already waited for) */
   wait_stream(h->comm, st);
   if (cc->last_stream && cc->last_stream != st) wait_stream(h->comm, cc->last_stream);
-  void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.block, ch->host.pairs_local, ch->host.counts, ch->host.idx,
-                  ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
+  void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.kept, ch->host.block, ch->host.pairs_local,
+                  ch->host.counts, ch->host.idx, ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
                   ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back,
                   ch->ipc_x, ch->ipc_wgrad, ch->ll_dev};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
@@ -114,6 +115,7 @@ epxc_stamp_t stamp_of(const epx_comm_t *c) {
 epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h) {
   epxc_shape_t s = CC(c)->shape;
   s.align = h->hc.align;
+  s.recv_budget = h->hc.recv_budget;
   s.ll = h->hc.algo == EPX_ALGO_LL;
   s.expert_layout = h->hc.layout == EPX_LAYOUT_EXPERT;
   return s;
@@ -191,7 +193,7 @@ static epx_status_t cuda_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_disp
                        .recv_scales = a->recv_scales, .recv_capacity = a->recv_capacity,
                        .recv_topk_idx = a->recv_topk_idx, .recv_topk_weights = a->recv_topk_weights,
                        .recv_probs = a->recv_probs, .tokens_per_local_expert = a->tokens_per_local_expert,
-                       .num_recv_rows = a->num_recv_rows, .scale_by_probs = a->scale_by_probs};
+                       .num_recv_rows = a->num_recv_rows, .dropped = a->dropped, .scale_by_probs = a->scale_by_probs};
   d.report_capacity = !ch->known;
   d.part = a->part;
   if (a->part == EPX_PART_COMPLETE) /* SEND did it all, or (low-latency) left the rest */
@@ -260,4 +262,5 @@ const epxi_backend_t epxi_cuda_backend = {
     .comm_abort = cuda_comm_abort,
     .async_error = cuda_async_error,
     .stamped = true,
+    .recv_budget = true,
 };

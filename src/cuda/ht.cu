@@ -86,8 +86,8 @@ static __device__ uint32_t bits_here(const epxc_shape_t *s, const epxc_peer_t *s
   return word * EPXC_WARP < src->num_tokens ? src->rank_bits[(int64_t)s->rank * src->words + word] : 0u;
 }
 
-/* Lane i, token t = 32 word + i of src, expert layout: its slots that land here, in
- * local_slots' order (ascending local expert, ties in slot order): slot k goes to place
+/* Lane i, token t = 32 word + i of src, expert layout: its slots that land (and are kept)
+ * here, in local_slots' order (ascending local expert, ties in slot order): slot k goes to place
  * pos[k] (-1: not here), receive row row[k], routing weight w[k]. One round trip for the
  * slots, one for the expert bitmaps and weights of those here. */
 typedef struct {
@@ -103,10 +103,18 @@ static __device__ void lane_local_slots(const epxc_shape_t *s, const epxc_plan_t
   const int64_t W = src->words, word = t >> 5;
   const uint32_t below = (1u << (t & 31)) - 1u;
   int lk[EPXC_MAX_TOPK];
+  int32_t at[EPXC_MAX_TOPK]; /* the slot's place among src's pairs of its expert */
 #pragma unroll
   for (int k = 0; k < EPXC_MAX_TOPK; k++) {
     const int e = k < K ? src->idx[t * K + k] : -1;
     lk[k] = e >= 0 && e / L == me ? e % L : -1;
+  }
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+    if (lk[k] < 0) continue;
+    const int64_t e = (int64_t)me * L + lk[k];
+    at[k] = src->exp_pre[e * W + word] + __popc(src->exp_bits[e * W + word] & below);
+    if (plan->kept && at[k] >= plan->kept[(int64_t)lk[k] * R + src_rank]) lk[k] = -1; /* dropped: budget */
   }
   o->m = 0;
 #pragma unroll
@@ -116,10 +124,8 @@ static __device__ void lane_local_slots(const epxc_shape_t *s, const epxc_plan_t
     int p = 0;
 #pragma unroll
     for (int q = 0; q < EPXC_MAX_TOPK; q++) p += lk[q] >= 0 && (lk[q] < lk[k] || (lk[q] == lk[k] && q < k));
-    const int64_t e = (int64_t)me * L + lk[k];
     o->pos[k] = p;
-    o->row[k] = plan->pair_base[(int64_t)lk[k] * R + src_rank] + src->exp_pre[e * W + word] +
-                __popc(src->exp_bits[e * W + word] & below);
+    o->row[k] = plan->pair_base[(int64_t)lk[k] * R + src_rank] + at[k];
     o->w[k] = src->weight[t * K + k];
     o->m++;
   }
@@ -216,22 +222,40 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epx
  * where rows_d is d's y (token layout) or d's partials (expert layout), as d published them in
  * the combine exchange (or this rank's staged copy of them, all-to-all); rows of type Y, out
  * of type OUT. A token reaches at most K ranks. */
+/* Lane d of the warp on token t (and lane d - 32, for ranks past 32): where t's row on
+ * destination d is, if t went there. Every destination's bitmap word, prefix and published
+ * rows are loaded at once, a lane each: one round trip for the token, not two per rank. */
+template <epx_dtype_t Y>
+static __device__ const void *source_row_of(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
+                                            const epxc_combine_t *a, int64_t t, int d, bool *in) {
+  *in = false;
+  if (d >= s->nranks) return NULL;
+  const int64_t W = plan->words, word = t >> 5;
+  const uint32_t bits = plan->rank_bits[(int64_t)d * W + word];
+  const int32_t pre = plan->rank_pre[(int64_t)d * W + word];
+  const void *base = a->staged ? row_at(a->staged, Y, plan->send_base[d], s->hidden)
+                               : row_at(peer_ptr(g, d, posted(g, d)->combine.rows), Y, plan->dest_base[d], s->hidden);
+  *in = (bits >> (t & 31)) & 1u;
+  return row_at(base, Y, (int64_t)pre + __popc(bits & ((1u << (t & 31)) - 1u)), s->hidden);
+}
+
 template <epx_dtype_t Y, epx_dtype_t OUT>
 static __global__ void __launch_bounds__(EPXC_THREADS) reduce_token_kernel(epxc_shape_t s, epxc_group_t g,
                                                                           const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan)) return;
-  const int R = s.nranks, H = s.hidden;
-  const int64_t T = plan->num_tokens, W = plan->words;
+  const int H = s.hidden, lane = lane_id();
+  const int64_t T = plan->num_tokens;
+  static_assert(EPX_MAX_RANKS <= 2 * EPXC_WARP, "a lane looks up at most two destinations");
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
+    bool in_lo, in_hi;
+    const void *lo = source_row_of<Y>(&s, &g, plan, &a, t, lane, &in_lo);
+    const void *hi = source_row_of<Y>(&s, &g, plan, &a, t, lane + EPXC_WARP, &in_hi);
     const void *rows[EPXC_MAX_TOPK];
-    int m = 0;
-    for (int d = 0; d < R; d++) {
-      const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
-      if (!bit_set(bits, t)) continue;
-      const int64_t rank = bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
-      rows[m++] = a.staged ? row_at(a.staged, Y, plan->send_base[d] + rank, H)
-                           : row_at(peer_ptr(&g, d, posted(&g, d)->combine.rows), Y, plan->dest_base[d] + rank, H);
-    }
+    int m = 0; /* ascending destinations: the contract's order */
+    for (unsigned rest = __ballot_sync(0xffffffffu, in_lo); rest; rest &= rest - 1)
+      rows[m++] = (const void *)__shfl_sync(0xffffffffu, (uintptr_t)lo, __ffs(rest) - 1);
+    for (unsigned rest = __ballot_sync(0xffffffffu, in_hi); rest; rest &= rest - 1)
+      rows[m++] = (const void *)__shfl_sync(0xffffffffu, (uintptr_t)hi, __ffs(rest) - 1);
     reduce_rows_ahead<EPXC_AHEAD(Y)>(rows, NULL, m, Y, row_at_mut(a.out, OUT, t, H), OUT, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }

@@ -73,10 +73,7 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
 /* Prefix popcounts and counts of every bitmap row, a warp per row; the bad-token key the
  * build left becomes this rank's status for the exchange. */
 static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const uint64_t key = plan->bad_key;
-    plan->status = key == ~0ull ? EPX_SUCCESS : (int32_t)(key & 0xff);
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
   plan_prefix(&s, plan, warp_global(), warp_count());
 }
 
@@ -132,6 +129,33 @@ static __device__ int64_t block_scan(const int32_t *in, int n, int align, int64_
   return total;
 }
 
+/* This rank's receive budget over its local experts in ascending order (docs/design.md,
+ * "Receive budget"): expert l keeps keep_l = min(n_l, floor(max(B - start_l, 0) / align) *
+ * align) of its n_l pairs (pairs_local on entry, keep_l on return), start_l being the rows of
+ * the blocks before it: the first keep_l in (source, token) order, so source q keeps
+ * clamp(keep_l - base_{l,q}, 0, pairs_{l,q}) of its own (kept). Without a budget every pair
+ * is kept. On entry pair_base holds base_{l,q}, not yet the block start. */
+static __device__ void apply_budget(const epxc_shape_t *s, epxc_plan_t *plan, const int32_t *pairs) {
+  const int R = s->nranks, L = s->num_local, tid = threadIdx.x;
+  const int64_t B = s->recv_budget, align = s->align;
+  if (tid == 0) {
+    int64_t used = 0, dropped = 0;
+    for (int l = 0; l < L && B > 0; l++) { /* a prefix over the experts: one thread, and only with a budget */
+      const int64_t want = plan->pairs_local[l], room = B - used > 0 ? (B - used) / align * align : 0;
+      const int64_t keep = want < room ? want : room;
+      used += (keep + align - 1) / align * align;
+      dropped += want - keep;
+      plan->pairs_local[l] = (int32_t)keep;
+    }
+    plan->dropped = dropped;
+  }
+  __syncthreads();
+  for (int i = tid; i < L * R && plan->kept; i += blockDim.x) {
+    const int64_t k = plan->pairs_local[i / R] - plan->pair_base[i];
+    plan->kept[i] = k <= 0 ? 0 : k < pairs[i] ? (int32_t)k : pairs[i];
+  }
+}
+
 /* After the exchange of plan pointers (notify words): every rank's send side as this rank reads it,
  * then the receive side, from every rank's counts. The peers' counts are read once, by all the
  * threads at once, into shared memory; the sums over ranks, experts and rows are block scans:
@@ -170,6 +194,8 @@ static __global__ void __launch_bounds__(EPXC_FINISH_THREADS) finish_kernel(epxc
     }
     plan->pairs_local[l] = (int32_t)n;
   }
+  __syncthreads();
+  apply_budget(&s, plan, pairs);
   __syncthreads();
   const int64_t rows = s.ll ? 0 : block_scan(plan->pairs_local, L, s.align, plan->block);
   if (s.ll)

@@ -157,7 +157,7 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
   __syncthreads();
   plan_prefix(s, plan, threadIdx.x / EPXC_WARP, blockDim.x / EPXC_WARP);
   __syncthreads();
-  if (threadIdx.x == 0) plan->status = plan->bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(plan->bad_key & 0xff);
+  if (threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
   __syncthreads();
 }
 

@@ -17,8 +17,9 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
          ((volatile epxc_state_t *)g->state[g->rank])->group_status != EPX_SUCCESS;
 }
 
-/* The slots of token t of `src` that land on rank `me`, sorted by local expert (ties in slot
- * order): their receive rows row[j] and routing weights weight[j], j < the return value.
+/* The slots of token t of `src` that land on rank `me` (and are kept there: a receive budget
+ * drops the others), sorted by local expert (ties in slot order): their receive rows row[j]
+ * and routing weights weight[j], j < the return value.
  * Called by a whole warp. The source's routing is usually a peer's memory, across the link:
  * lane k reads slot k, so the K slots cost one round trip (then one more for the expert
  * bitmaps), not K. */
@@ -37,8 +38,9 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
     if (mine) {
       my_l = e % L;
       my_w = src->weight[t * K + lane];
-      my_row = plan->pair_base[(int64_t)my_l * R + src_rank] +
-               bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
+      const int64_t at = bit_rank(src->exp_bits + (int64_t)e * W, src->exp_pre + (int64_t)e * W, t);
+      my_row = plan->pair_base[(int64_t)my_l * R + src_rank] + at;
+      mine = !plan->kept || at < plan->kept[(int64_t)my_l * R + src_rank]; /* past a receive budget: dropped */
     }
   }
   const unsigned here = __ballot_sync(0xffffffffu, mine);
@@ -178,6 +180,11 @@ static __device__ void write_counts(const epxc_shape_t *s, const epxc_plan_t *pl
   for (int l = threadIdx.x; l < s->num_local; l += blockDim.x)
     if (a->tokens_per_local_expert) a->tokens_per_local_expert[l] = plan->pairs_local[l];
   if (threadIdx.x == 0 && a->num_recv_rows) *a->num_recv_rows = s->ll ? plan->num_pairs : plan->num_rows;
+  if (threadIdx.x == 0 && a->dropped && !s->ll) { /* every rank's finished with its notify: peers' are read */
+    int64_t dropped = 0;
+    for (int d = 0; d < s->nranks; d++) dropped += *plan->peer[d].dropped;
+    *a->dropped = dropped > INT32_MAX ? INT32_MAX : (int32_t)dropped;
+  }
 }
 
 /* Sync-free capacity: a receive buffer too small gets nothing, the rank a status (unless the
@@ -271,7 +278,7 @@ static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t
 }
 
 /* Source side of a combine: the weight gradient of token t's slot k, from the row gradients
- * its destination published (0 for a slot that routed nowhere). */
+ * its destination published (0 for a slot that routed nowhere or was dropped there). */
 static __device__ float slot_weight_grad_of(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
                                             int64_t t, int k) {
   const int K = s->topk, L = s->num_local, R = s->nranks;
@@ -282,8 +289,10 @@ static __device__ float slot_weight_grad_of(const epxc_shape_t *s, const epxc_gr
   const float *wg = (const float *)peer_ptr(g, d, posted(g, d)->combine.row_weight_grad);
   int64_t row;
   if (s->expert_layout) {
-    row = plan->peer[d].pair_base[(int64_t)(e % L) * R + s->rank] +
-          bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+    const int64_t at = bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+    const int32_t *kept = plan->peer[d].kept;
+    if (kept && at >= kept[(int64_t)(e % L) * R + s->rank]) return 0.0f; /* dropped there: no row */
+    row = plan->peer[d].pair_base[(int64_t)(e % L) * R + s->rank] + at;
   } else {
     const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
     row = (plan->dest_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t)) * K + k;

@@ -17,11 +17,13 @@ const char *gu_case_str(const gu_case_t *c) {
   static _Thread_local char buf[256];
   static const char *const algo[] = {"ht", "ll", "a2a"}, *const form[] = {"topk32", "topk64", "map", "mixed"};
   static const char *const route[] = {"", " route=one-expert", " route=one-rank"};
-  char specials[32] = "";
+  char specials[32] = "", budget[32] = "";
   if (c->specials) snprintf(specials, sizeof specials, " specials=1/%d", c->specials);
-  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s%s", c->R,
-           c->E, c->H, c->K, (long long)c->T[0], algo[c->algo], c->layout == EPX_LAYOUT_EXPERT ? "expert" : "token",
-           c->align, tu_dtype(c->x_dtype), tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route], specials);
+  if (c->budget) snprintf(budget, sizeof budget, " budget=%d%%", c->budget);
+  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s%s%s",
+           c->R, c->E, c->H, c->K, (long long)c->T[0], algo[c->algo],
+           c->layout == EPX_LAYOUT_EXPERT ? "expert" : "token", c->align, tu_dtype(c->x_dtype),
+           tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route], specials, budget);
   return buf;
 }
 
@@ -69,6 +71,12 @@ void gu_inputs_free(gu_inputs_t *in, const gu_case_t *c) {
     free(in->g[r]);
   }
   tu_moe_free(&in->m);
+}
+
+int64_t gu_budget_of(const gu_case_t *c, const tu_moe_t *m, int r) {
+  if (c->budget <= 0 || r % 3 == 2) return 0;
+  const int64_t rows = rows_needed(c, m, r), b = rows * (c->budget - 10 * (r % 3)) / 100;
+  return b > 1 ? b : 1;
 }
 
 /* Rows rank d's receive buffers need, counted straight from the routing. */
@@ -173,6 +181,7 @@ static epx_status_t rank_main(int r, void *arg) {
   STEP(epx_comm_init(run->world, r, &cfg, &comm));
   epx_handle_config_t hc = tu_handle_config(c->algo, c->layout, c->align);
   hc.exact = c->exact;
+  hc.recv_budget = gu_budget_of(c, &run->in->m, r);
   STEP(epx_handle_create(comm, &hc, &h));
 
   epx_routing_t rt = {.num_tokens = c->T[r]};
@@ -199,6 +208,7 @@ static epx_status_t rank_main(int r, void *arg) {
   d.recv_probs = er ? res->probs[r] : NULL;
   d.tokens_per_local_expert = res->cnt[r];
   d.num_recv_rows = run->nrows[r];
+  d.dropped = res->dropped[r];
   STEP(epx_dispatch(comm, h, NULL, &d));
 
   if (!run->cuda) { /* the experts: what a user's grouped GEMM would do */
@@ -240,6 +250,7 @@ static epx_status_t rank_main(int r, void *arg) {
   d.recv_probs = NULL;
   d.tokens_per_local_expert = NULL;
   d.num_recv_rows = NULL;
+  d.dropped = NULL;
   d.scale_by_probs = er;
   STEP(epx_dispatch(comm, h, NULL, &d));
   STEP(epx_comm_synchronize(comm));
@@ -277,6 +288,7 @@ static void rank_alloc(run_t *run, const mem_t *mem, int r, const gu_result_t *h
   res->recv_w[r] = mem_alloc(mem, sizeof(float) * cap * K);
   res->probs[r] = mem_alloc(mem, sizeof(float) * cap);
   res->cnt[r] = mem_alloc(mem, sizeof(int32_t) * (c->E / c->R));
+  res->dropped[r] = mem_alloc(mem, sizeof(int32_t));
   res->y[r] = host ? mem_upload(mem, host->y[r], (size_t)(cap * H) * esz(c->x_dtype))
                    : mem_alloc(mem, (size_t)(cap * H) * esz(c->x_dtype));
   res->out[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->x_dtype));
@@ -299,6 +311,7 @@ static void rank_collect(run_t *run, const mem_t *mem, int r) {
   mem_download(mem, (void **)&res->recv_w[r], sizeof(float) * cap * K);
   mem_download(mem, (void **)&res->probs[r], sizeof(float) * cap);
   mem_download(mem, (void **)&res->cnt[r], sizeof(int32_t) * (c->E / c->R));
+  mem_download(mem, (void **)&res->dropped[r], sizeof(int32_t));
   mem_download(mem, &res->y[r], (size_t)(cap * H) * esz(c->x_dtype));
   mem_download(mem, &res->out[r], (size_t)(T * H) * esz(c->x_dtype));
   mem_download(mem, &res->out2[r], (size_t)(T * H) * esz(c->x_dtype));
@@ -359,7 +372,7 @@ int gu_run_rank(const gu_case_t *c, const gu_inputs_t *in, epx_world_t *world, i
 void gu_result_free(gu_result_t *r, int R) {
   for (int i = 0; i < R; i++) {
     void *p[] = {r->recv_x[i], r->recv2[i], r->out[i], r->out2[i], r->scales[i], r->scales2[i], r->recv_w[i],
-                 r->probs[i], r->wgrad[i], r->recv_idx[i], r->cnt[i], r->y[i]};
+                 r->probs[i], r->wgrad[i], r->recv_idx[i], r->cnt[i], r->dropped[i], r->y[i]};
     for (size_t j = 0; j < sizeof p / sizeof *p; j++) free(p[j]);
   }
   memset(r, 0, sizeof *r);
@@ -388,6 +401,7 @@ void gu_compare_rank_at(const char *file, int line, const gu_case_t *c, const gu
     CMP("recv_w", EPX_FLOAT32, got->recv_w[r], want->recv_w[r], cap * K, K);
   }
   CMP("tokens_per_local_expert", EPX_INT32, got->cnt[r], want->cnt[r], L, L);
+  if (c->budget) CMP("dropped", EPX_INT32, got->dropped[r], want->dropped[r], 1, 1);
   if (got->nrows[r] == want->nrows[r])
     check_pass();
   else

@@ -36,7 +36,13 @@ typedef struct {
   int specials; /* > 0: about one element in `specials` of every floating input is a special
                    value (tu_add_specials): x, the routing weights, x2, g, and the y that the
                    host's stand-in experts hand to both runs */
+  int budget;   /* > 0 (expert layout of HT): rank r's receive budget is about `budget` percent
+                   of the rows it would get, a different share on each rank, none on every third
+                   (gu_budget_of); the pairs the group dropped are compared too */
 } gu_case_t;
+
+/* Rank r's receive budget in case c (0: none). */
+int64_t gu_budget_of(const gu_case_t *c, const tu_moe_t *m, int r);
 
 /* A row of a test's case table, and the case it makes: every rank gets T tokens, or with
  * `uneven` rank 1 none and the other odd ranks T / 3; low-latency capacity max(T, 64). */
@@ -70,6 +76,7 @@ typedef struct {
   float *wgrad[TU_MAX_RANKS];
   int32_t *recv_idx[TU_MAX_RANKS], *cnt[TU_MAX_RANKS];
   int64_t nrows[TU_MAX_RANKS];
+  int32_t *dropped[TU_MAX_RANKS]; /* [1]: the pairs the group dropped past its budgets */
   void *y[TU_MAX_RANKS];
   epx_status_t st[TU_MAX_RANKS];
   char err[TU_MAX_RANKS][256];

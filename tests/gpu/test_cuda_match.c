@@ -84,12 +84,36 @@ static const struct {
     {{2, 16, 8, 4096, 128, A2A, EXP, 128, F32, FP8, TU_FORM_TOPK32, 1, 0}, 200},
 };
 
+/* Receive budgets (docs/design.md, "Receive budget"), after the special values: rank r keeps
+ * about `budget` percent of its rows (a different share per rank, none on every third), so
+ * pairs are dropped at the end of some experts' blocks and whole experts go empty. Both
+ * dispatch kernels (bulk copies, fp8), sync-free and exact sizing, every token on one expert,
+ * and the gradients (the dispatch replay, a dropped pair's weight gradient 0). */
+static const struct {
+  gu_row_t row;
+  gu_route_t route;
+  int budget;
+} budgeted[] = {
+    {{4, 32, 4, 2048, 256, HT, EXP, 16, BF, BF, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_RANDOM, 60},
+    {{8, 64, 8, 7168, 512, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 40},
+    {{2, 16, 2, 4096, 300, HT, EXP, 1, F32, F32, TU_FORM_MAP, 0, 0}, GU_ROUTE_RANDOM, 75},
+    {{2, 32, 8, 2880, 200, HT, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 0}, GU_ROUTE_ONE_EXPERT, 50},
+};
+
 #define NTABLE ((int)(sizeof cases / sizeof *cases))
 #define NSKEWED ((int)(sizeof skewed / sizeof *skewed))
-#define NCASES (NTABLE + NSKEWED + (int)(sizeof special / sizeof *special))
+#define NSPECIAL ((int)(sizeof special / sizeof *special))
+#define NCASES (NTABLE + NSKEWED + NSPECIAL + (int)(sizeof budgeted / sizeof *budgeted))
 
 static gu_case_t case_of(int i) {
   if (i < NTABLE) return gu_case_of(&cases[i], 16);
+  if (i >= NTABLE + NSKEWED + NSPECIAL) {
+    const int b = i - NTABLE - NSKEWED - NSPECIAL;
+    gu_case_t c = gu_case_of(&budgeted[b].row, 16);
+    c.route = budgeted[b].route;
+    c.budget = budgeted[b].budget;
+    return c;
+  }
   if (i >= NTABLE + NSKEWED) {
     gu_case_t c = gu_case_of(&special[i - NTABLE - NSKEWED].row, 16);
     c.specials = special[i - NTABLE - NSKEWED].specials;
@@ -150,6 +174,8 @@ static void run_case(int i) {
   double t1 = tu_now();
   int df = hf ? 1 : gu_run(&c, &in, EPX_BACKEND_CUDA, &host, &dev);
   CHECK(!df, "cuda run failed [%s]", gu_case_str(&c));
+  if (!hf && c.budget) /* the case is what it claims: the budgets cut */
+    CHECK(host.dropped[0][0] > 0, "a budget case in which no pair is dropped [%s]", gu_case_str(&c));
   if (!hf && !df) gu_compare(&c, &dev, &host, "cuda vs host");
   printf("case %2d %s: host %.2fs, cuda %.2fs\n", i, gu_case_str(&c), t1 - t0, tu_now() - t1);
   fflush(stdout);
