@@ -56,7 +56,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_token_kernel(epx
           if (a.recv_topk_weights) a.recv_topk_weights[n * K + lane] = here ? src->weight[t * K + lane] : 0.0f;
         }
       } else {
-        m = expert_rows(&s, plan, src_rank, src, t, &a, dst, dscale, factor);
+        m = expert_rows(&s, plan, src_rank, src, t, &a, 0, dst, dscale, factor);
       }
       if (raw)
         copy_row_raw(in, dst, m, (int64_t)recv_row_bytes);
@@ -213,7 +213,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epx
     for (int64_t t = warp_global(); t < T; t += warp_count()) {
       if (!bit_set(bits, t)) continue;
       const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
-      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, a.y_dtype, n, H));
+      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, a.y_dtype, n, H), 0, H);
     }
   }
 }

@@ -66,7 +66,7 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
     if (st != EPX_SUCCESS)
       atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
     else
-      plan_token(&s, plan, t, ids, ws);
+      plan_token(&s, plan, plan_bits(plan), t, ids, ws);
   }
 }
 
@@ -74,7 +74,7 @@ static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T
  * build left becomes this rank's status for the exchange. */
 static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
   if (blockIdx.x == 0 && threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
-  plan_prefix(&s, plan, warp_global(), warp_count());
+  plan_prefix(&s, plan, plan_bits(plan), warp_global(), warp_count());
 }
 
 extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host,

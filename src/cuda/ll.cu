@@ -8,7 +8,8 @@
  * which pull the rows that come to this rank straight into their final slots. Combine, in one
  * kernel: every block reduces the rows of the tokens this rank received into partials (row
  * (source, token)), block 0 meets the peers, then every block sums its tokens' partials in
- * rank order. Nothing waits for the peers to finish reading: what they read is double-buffered
+ * rank order. A step has fewer rows than the launch has warps, so staging, pulls, partials and
+ * sums each cut rows into slices of whole 256-channel chunks. Nothing waits for the peers to finish reading: what they read is double-buffered
  * by the parity of device-side call counts, and the next operation's exchange proves they are
  * done with the older copy. */
 #include "cuda/exchange.cuh"
@@ -94,15 +95,15 @@ static __device__ bool wait_ready(const epxc_group_t *g, epxc_state_t *st, uint6
  * are cut into slices of whole 256-channel chunks (so fp8 blocks of 128 stay whole), as many
  * as keep every warp busy. Slice i of a row covers channels [i * width, min(H, (i+1) * width)). */
 typedef struct {
-  int64_t width;
-  int64_t count;
+  int width;
+  int count;
 } slicing_t;
 
 static __device__ slicing_t slicing(int64_t rows, int hidden) {
-  const int64_t chunks = (hidden + EPXC_CHUNK_CHANNELS - 1) / EPXC_CHUNK_CHANNELS;
+  const int chunks = (hidden + EPXC_CHUNK_CHANNELS - 1) / EPXC_CHUNK_CHANNELS;
   int64_t want = rows > 0 ? (warp_count() + rows - 1) / rows : 1;
   want = want < 1 ? 1 : want > chunks ? chunks : want;
-  const int64_t width = (chunks + want - 1) / want * EPXC_CHUNK_CHANNELS;
+  const int width = (chunks + (int)want - 1) / (int)want * EPXC_CHUNK_CHANNELS;
   return (slicing_t){width, (hidden + width - 1) / width};
 }
 
@@ -123,13 +124,19 @@ static __device__ __forceinline__ bool pair_arrived(const epxc_shape_t *s, const
 
 /* ---- planning (block 0) -------------------------------------------------------------------- */
 
-/* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. */
+/* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. A
+ * decode step's bitmaps are a few words per row: they are built in shared memory, where
+ * clearing them and setting bits cost no round trip to memory, and written out once, with
+ * the prefix pass reading them from there. Larger ones are built in the plan itself. */
 static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
                                   const epxc_route_t *r) {
   const int K = s->topk, R = s->nranks, E = s->num_experts;
-  const int64_t W = plan->words, T = r->num_tokens;
-  for (int64_t i = threadIdx.x; i < (int64_t)R * W; i += blockDim.x) plan->rank_bits[i] = 0;
-  for (int64_t i = threadIdx.x; i < (int64_t)E * W; i += blockDim.x) plan->exp_bits[i] = 0;
+  const int64_t W = plan->words, T = r->num_tokens, words = (int64_t)(R + E) * W;
+  __shared__ uint32_t staged_bits[EPXC_LL_PLAN_WORDS];
+  const bool staged = words <= EPXC_LL_PLAN_WORDS;
+  const epxc_bits_t b = staged ? (epxc_bits_t){staged_bits, staged_bits + (int64_t)R * W} : plan_bits(plan);
+  for (int64_t i = threadIdx.x; i < (int64_t)R * W; i += blockDim.x) b.rank_bits[i] = 0;
+  for (int64_t i = threadIdx.x; i < (int64_t)E * W; i += blockDim.x) b.exp_bits[i] = 0;
   const bool fits = T <= s->max_tokens;
   if (threadIdx.x == 0) {
     plan->num_tokens = fits ? T : 0; /* too many tokens: nothing of this rank is read */
@@ -151,11 +158,14 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
       if (st != EPX_SUCCESS)
         atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
       else
-        plan_token(s, plan, t, ids, ws);
+        plan_token(s, plan, b, t, ids, ws);
     }
   }
   __syncthreads();
-  plan_prefix(s, plan, threadIdx.x / EPXC_WARP, blockDim.x / EPXC_WARP);
+  plan_prefix(s, plan, b, threadIdx.x / EPXC_WARP, blockDim.x / EPXC_WARP);
+  /* the rank rows, then the expert rows: the plan's layout of both */
+  for (int64_t i = threadIdx.x; staged && i < words; i += blockDim.x)
+    (i < (int64_t)R * W ? plan->rank_bits[i] : plan->exp_bits[i - (int64_t)R * W]) = staged_bits[i];
   __syncthreads();
   if (threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
   __syncthreads();
@@ -228,8 +238,8 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
     LL_TRACE(); /* 1: planned */
     const slicing_t sl = slicing(T, H);
-    for (int64_t i = warp_global(); T <= s.max_tokens && i < T * sl.count; i += warp_count()) {
-      const int64_t t = i / sl.count, c = i % sl.count * sl.width, w = min(sl.width, (int64_t)H - c);
+    for (int i = (int)warp_global(); T <= s.max_tokens && i < (int)T * sl.count; i += (int)warp_count()) {
+      const int t = i / sl.count, c = (i - t * sl.count) * sl.width, w = min(sl.width, H - c);
       const void *in = (const char *)a.x + slice_offset(a.x_dtype, t, H, c);
       void *dst = (char *)ll->stage[p] + slice_offset(stage_dtype, t, H, c);
       float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks + c / EPX_FP8_BLOCK : NULL;
@@ -274,11 +284,15 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
   write_counts(&s, plan, &a);
 
-  const size_t row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
-  for (int64_t i = warp_global(); i < (int64_t)R * s.max_tokens; i += warp_count()) {
+  /* Pairs (source, token) in slices, as the staging: a step has fewer rows than warps. The
+   * first slice of a row writes its weights (recv_probs), the others leave them. */
+  const int candidates = R * s.max_tokens;
+  const slicing_t sl = slicing(candidates, H);
+  for (int i = (int)warp_global(); i < candidates * sl.count; i += (int)warp_count()) {
     int src_rank;
     int64_t t;
-    if (!pair_arrived(&s, plan, i, &src_rank, &t)) continue;
+    const int pair = i / sl.count, c = (i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
+    if (!pair_arrived(&s, plan, pair, &src_rank, &t)) continue;
     const epxc_peer_t *src = &plan->peer[src_rank];
     const epxc_ll_dispatch_words_t *sent = &posted(&g, src_rank)->ll_dispatch;
     const void *stage = peer_ptr(&g, src_rank, sent->stage);
@@ -287,15 +301,15 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     void *dst[EPXC_MAX_TOPK];
     float *dscale[EPXC_MAX_TOPK];
     float factor[EPXC_MAX_TOPK];
-    const int m = expert_rows(&s, plan, src_rank, src, t, &a, dst, dscale, factor);
-    const void *in = row_at(stage, src_dtype, t, H);
+    const int m = expert_rows(&s, plan, src_rank, src, t, &a, c, dst, dscale, factor);
+    const void *in = (const char *)stage + slice_offset(src_dtype, t, H, c);
     if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */
-      convert_row(in, src_dtype, a.recv_dtype, H, dst, dscale, factor, scaled, m);
+      convert_row(in, src_dtype, a.recv_dtype, w, dst, dscale, factor, scaled, m);
     } else {
-      copy_row_raw(in, dst, m, (int64_t)row_bytes);
-      if (fp8)
-        for (int j = 0; j < m; j++)
-          for (int b = lane; b < blocks; b += EPXC_WARP) dscale[j][b] = stage_scales[t * blocks + b];
+      copy_row_raw(in, dst, m, (int64_t)w * dtype_bytes(a.recv_dtype));
+      const int first = (int)t * blocks + c / EPX_FP8_BLOCK, n = (w + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+      for (int j = 0; fp8 && j < m; j++)
+        for (int b = lane; b < n; b += EPXC_WARP) dscale[j][b] = stage_scales[first + b];
     }
   }
   LL_TRACE(); /* 6: block 0's rows copied */
@@ -336,11 +350,15 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   if (!complete) {
     /* partials of the tokens that came here: row (source, token), local experts ascending */
     void *partials = ll->partials[calls & 1];
-    for (int64_t i = warp_global(); live && i < (int64_t)R * s.max_tokens; i += warp_count()) {
+    const int candidates = R * s.max_tokens;
+    const slicing_t sl = slicing(candidates, H);
+    for (int i = (int)warp_global(); live && i < candidates * sl.count; i += (int)warp_count()) {
       int src_rank;
       int64_t t;
-      if (!pair_arrived(&s, plan, i, &src_rank, &t)) continue;
-      partial_of_token(&s, plan, src_rank, &plan->peer[src_rank], t, &a, row_at_mut(partials, a.y_dtype, i, H));
+      const int pair = i / sl.count, c = (i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
+      if (!pair_arrived(&s, plan, pair, &src_rank, &t)) continue;
+      partial_of_token(&s, plan, src_rank, &plan->peer[src_rank], t, &a,
+                       (char *)partials + slice_offset(a.y_dtype, pair, H, c), c, w);
     }
     /* Across processes peers reach only this rank's arena: the weight gradients go there first
      * (double-buffered like the partials, for the same reason). */
@@ -382,8 +400,8 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   /* this rank's tokens: partials summed in destination order */
   const int64_t T = plan->num_tokens, W = plan->words;
   const slicing_t sl = slicing(T, H);
-  for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
-    const int64_t t = i / sl.count, c = i % sl.count * sl.width, w = min(sl.width, (int64_t)H - c);
+  for (int i = (int)warp_global(); i < (int)T * sl.count; i += (int)warp_count()) {
+    const int t = i / sl.count, c = (i - t * sl.count) * sl.width, w = min(sl.width, H - c);
     const void *rows[EPX_MAX_RANKS];
     int m = 0;
     for (int d = 0; d < R; d++)

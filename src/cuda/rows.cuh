@@ -59,18 +59,20 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
   return __popc(here);
 }
 
-/* Expert layout, receiving side of a dispatch: where token t of `src` goes here, one row per
- * local expert it chose (dst, and dscale for fp8), with the routing weight of each (factor,
- * also written to recv_probs). Returns how many rows. */
+/* Expert layout, receiving side of a dispatch: where channel c (a multiple of 256: a row cut
+ * into slices) of token t of `src` goes here, one row per local expert it chose (dst, and
+ * dscale for fp8), with the routing weight of each (factor, also written to recv_probs by the
+ * warp of channel 0). Returns how many rows. */
 static __device__ int expert_rows(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
-                                  int64_t t, const epxc_dispatch_t *a, void **dst, float **dscale, float *factor) {
+                                  int64_t t, const epxc_dispatch_t *a, int c, void **dst, float **dscale,
+                                  float *factor) {
   const int blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   int64_t row[EPXC_MAX_TOPK];
   const int m = local_slots(s, plan, src_rank, src, t, row, factor);
   for (int j = 0; j < m; j++) {
-    dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row[j], s->hidden);
-    dscale[j] = a->recv_dtype == EPX_FP8_E4M3 ? a->recv_scales + row[j] * blocks : NULL;
-    if (lane_id() == 0 && a->recv_probs) a->recv_probs[row[j]] = factor[j];
+    dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row[j] * s->hidden + c, 1);
+    dscale[j] = a->recv_dtype == EPX_FP8_E4M3 ? a->recv_scales + row[j] * blocks + c / EPX_FP8_BLOCK : NULL;
+    if (c == 0 && lane_id() == 0 && a->recv_probs) a->recv_probs[row[j]] = factor[j];
   }
   return m;
 }
@@ -262,19 +264,22 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
   reduce_rows_ahead<2>(rows, w, m, in_dtype, out, out_dtype, hidden);
 }
 
-/* Destination side of an expert-layout combine: token t of src_rank's partial, its rows
- * weighted and summed in ascending local expert. */
+/* Destination side of an expert-layout combine: channels [c, c + width) of token t of
+ * src_rank's partial (out points at its channel c), its rows weighted and summed in ascending
+ * local expert. Each channel's sum is the same whatever the range. */
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
-                                        const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out) {
+                                        const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out,
+                                        int64_t c, int width) {
   int64_t row[EPXC_MAX_TOPK];
   float w[EPXC_MAX_TOPK];
   const void *rows[EPXC_MAX_TOPK];
   const int m = local_slots(s, plan, src_rank, src, t, row, w);
+  const size_t at = (size_t)c * dtype_bytes(a->y_dtype);
   for (int j = 0; j < m; j++) {
     w[j] = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row[j]] : w[j];
-    rows[j] = row_at(a->y, a->y_dtype, row[j], s->hidden);
+    rows[j] = (const char *)row_at(a->y, a->y_dtype, row[j], s->hidden) + at;
   }
-  reduce_rows(rows, w, m, a->y_dtype, out, a->y_dtype, s->hidden);
+  reduce_rows(rows, w, m, a->y_dtype, out, a->y_dtype, width);
 }
 
 /* Source side of a combine: the weight gradient of token t's slot k, from the row gradients

@@ -1,6 +1,7 @@
 /* The CUDA backend against the host backend, bit for bit: dispatch outputs in both layouts
- * and low-latency mode, combine, and both backward passes, over fresh random routings; the
- * last cases feed special values (NaN payloads, infinities, -0.0, subnormals) into every input.
+ * and low-latency mode, combine, and both backward passes, over fresh random routings; later
+ * tables add skewed routings, special values (NaN payloads, infinities, -0.0, subnormals) in
+ * every input, receive budgets and decode steps.
  *   test_cuda_match               every case of the table
  *   test_cuda_match --list        prints the cases with their indices, runs nothing
  *   test_cuda_match 0,4 15-17     only the cases selected by index: comma-separated indices
@@ -14,7 +15,7 @@
 
 #include "gpuutil.h"
 
-/* Every value the issue lists appears: R {2,4,8}, H {2048,2880,4096,7168}, K {1,2,8},
+/* The table covers: R {2,4,8}, H {2048,2880,4096,7168}, K {1,2,8},
  * E {8,64,256}, T {0,1,4095,4096}, both layouts, align {1,16,128}, bf16 and float32, fp8
  * dispatch, each routing form, exact and sync-free sizing, uneven token counts. The last
  * rows stress the pipelined dispatch (7 KB stages): rows shorter than a stage (H 2880 bf16),
@@ -100,13 +101,38 @@ static const struct {
     {{2, 32, 8, 2880, 200, HT, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 0}, GU_ROUTE_ONE_EXPERT, 50},
 };
 
+/* Decode steps, after the budgets: the low-latency kernels cut rows into slices when a step
+ * has fewer rows than the launch has warps (more SMs: thinner slices, fp8 scale blocks and
+ * float32 tails inside a row), a rank with no tokens, one token, a step of exactly the
+ * capacity with every token on one expert, and a plan too large to build in shared memory
+ * (8 ranks, 256 experts, 512 tokens). */
+static const struct {
+  gu_row_t row;
+  gu_route_t route;
+  int num_sms;
+} decode[] = {
+    {{2, 64, 8, 7168, 16, LL, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 64},
+    {{2, 32, 4, 7168, 1, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM, 16},
+    {{4, 64, 8, 4096, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK64, 0, 0}, GU_ROUTE_ONE_EXPERT, 32},
+    {{2, 16, 2, 2052, 24, LL, EXP, 1, F32, F32, TU_FORM_MAP, 0, 1}, GU_ROUTE_RANDOM, 64},
+    {{8, 256, 8, 7168, 32, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 16},
+    {{8, 256, 8, 2048, 512, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM, 16},
+};
+
 #define NTABLE ((int)(sizeof cases / sizeof *cases))
 #define NSKEWED ((int)(sizeof skewed / sizeof *skewed))
 #define NSPECIAL ((int)(sizeof special / sizeof *special))
-#define NCASES (NTABLE + NSKEWED + NSPECIAL + (int)(sizeof budgeted / sizeof *budgeted))
+#define NBUDGETED ((int)(sizeof budgeted / sizeof *budgeted))
+#define NCASES (NTABLE + NSKEWED + NSPECIAL + NBUDGETED + (int)(sizeof decode / sizeof *decode))
 
 static gu_case_t case_of(int i) {
   if (i < NTABLE) return gu_case_of(&cases[i], 16);
+  if (i >= NTABLE + NSKEWED + NSPECIAL + NBUDGETED) {
+    const int d = i - NTABLE - NSKEWED - NSPECIAL - NBUDGETED;
+    gu_case_t c = gu_case_of(&decode[d].row, decode[d].num_sms);
+    c.route = decode[d].route;
+    return c;
+  }
   if (i >= NTABLE + NSKEWED + NSPECIAL) {
     const int b = i - NTABLE - NSKEWED - NSPECIAL;
     gu_case_t c = gu_case_of(&budgeted[b].row, 16);

@@ -1,4 +1,4 @@
-"""tools/nccl_baseline.py (the all-to-all baseline issue 7 measures on GPUs) computes the MoE
+"""tools/nccl_baseline.py (the NCCL all-to-all baseline measured on GPUs) computes the MoE
 layer right: run on CPU through gloo, checked against its dense layer."""
 import os
 import subprocess
