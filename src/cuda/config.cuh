@@ -16,7 +16,8 @@
 #define EPXC_THREADS 1024           /* work kernels: ht.cu, a2a.cu, stage.cu */
 #define EPXC_WARPS (EPXC_THREADS / EPXC_WARP)
 /* Low-latency kernels wait on their own first block, so all blocks of every rank sharing a
- * GPU must be resident at once: half-size blocks leave room for two per SM. */
+ * GPU must be resident at once: two half-size blocks per SM of the budget, at most 64
+ * registers each, fill an SM exactly. */
 #define EPXC_LL_THREADS 512
 #define EPXC_LL_BLOCKS_PER_SM 2
 #define EPXC_LL_PLAN_WORDS 4096 /* bitmap words a low-latency plan builds in shared memory: (R + E) x W */

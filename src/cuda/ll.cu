@@ -213,6 +213,11 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
+/* Two half-size blocks per SM of the budget: the SM's 1024 threads, as a work kernel's one
+ * block has, while the ranks x num_sms <= SM count rule still makes every block of every rank
+ * on the GPU resident at once. */
+static int ll_blocks(const epxc_shape_t *s) { return EPXC_LL_BLOCKS_PER_SM * s->num_sms; }
+
 static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_route_t route, epxc_dispatch_t a,
                        epxc_stamp_t stamp) {
@@ -318,7 +323,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
                                 const epxc_dispatch_t *a, const epxc_stamp_t *stamp, void *stream) {
-  ll_dispatch_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a, *stamp);
+  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
@@ -417,7 +422,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
                                const epxc_stamp_t *stamp, void *stream) {
-  ll_combine_kernel<<<s->num_sms, EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a, *stamp);
+  ll_combine_kernel<<<ll_blocks(s), EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
