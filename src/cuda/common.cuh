@@ -340,14 +340,14 @@ static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, epx
     for (int64_t row = first * EPXC_WARP + lane; row < rows; row += step * EPXC_WARP) {
       const uint32_t *bits = row < R ? b.rank_bits + row * W : b.exp_bits + (row - R) * W;
       int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
-      uint32_t b[EPXC_PREFIX_LANE_WORDS];
+      uint32_t word[EPXC_PREFIX_LANE_WORDS];
 #pragma unroll
-      for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) b[w] = w < used ? bits[w] : 0;
+      for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) word[w] = w < used ? bits[w] : 0;
       int32_t carry = 0;
 #pragma unroll
       for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) {
         if (w < used) pre[w] = carry;
-        carry += __popc(b[w]);
+        carry += __popc(word[w]);
       }
       plan->counts[row] = carry;
     }

@@ -9,9 +9,9 @@
  * kernel: every block reduces the rows of the tokens this rank received into partials (row
  * (source, token)), block 0 meets the peers, then every block sums its tokens' partials in
  * rank order. A step has fewer rows than the launch has warps, so staging, pulls, partials and
- * sums each cut rows into slices of whole 256-channel chunks. Nothing waits for the peers to finish reading: what they read is double-buffered
- * by the parity of device-side call counts, and the next operation's exchange proves they are
- * done with the older copy. */
+ * sums each cut rows into slices of whole 256-channel chunks. Nothing waits for the peers to
+ * finish reading: what they read is double-buffered by the parity of device-side call counts,
+ * and the next operation's exchange proves they are done with the older copy. */
 #include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
 
