@@ -90,6 +90,9 @@ if want bench; then
   # the per-token dispatch the pipelined one replaced on sm_90, same run
   run bench-ds3-token-per-token env EPX_HT_PIPELINED=0 $b --tokens 4096 --iters 10
   run bench-ll128           $b --tokens 128 --iters 50 --mode ll --graph --check
+  # the low-latency targets' two-rank shapes: a decode step of 128 tokens, and of one
+  run bench-ll128-ep2       $b --ranks 2 --tokens 128 --iters 50 --mode ll --graph --check
+  run bench-ll1-ep2         $b --ranks 2 --tokens 1 --iters 50 --mode ll --graph --check
   run bench-ll128-fp8       $b --tokens 128 --iters 50 --mode ll --dtype fp8 --graph --check
   run bench-ll128-ht        $b --tokens 128 --iters 50 --layout expert --graph --check
 fi
