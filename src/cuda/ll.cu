@@ -213,6 +213,42 @@ static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g,
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
+/* The rows that come to this rank, pulled from their sources' staging into their final rows:
+ * (source, token) pairs in slices, as the staging, since a step has fewer rows than warps. The
+ * first slice of a row writes its weights (recv_probs), the others leave them. */
+static __device__ __forceinline__ void pull_rows(const epxc_shape_t *s, const epxc_group_t *g,
+                                                 const epxc_plan_t *plan, const epxc_dispatch_t *a) {
+  const int H = s->hidden, R = s->nranks, lane = lane_id();
+  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  const bool fp8 = a->recv_dtype == EPX_FP8_E4M3, scaled = a->scale_by_probs != 0;
+  const int candidates = R * s->max_tokens;
+  const slicing_t sl = slicing(candidates, H);
+  for (int i = (int)warp_global(); i < candidates * sl.count; i += (int)warp_count()) {
+    int src_rank;
+    int64_t t;
+    const int pair = i / sl.count, c = (i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
+    if (!pair_arrived(s, plan, pair, &src_rank, &t)) continue;
+    const epxc_peer_t *src = &plan->peer[src_rank];
+    const epxc_ll_dispatch_words_t *sent = &posted(g, src_rank)->ll_dispatch;
+    const void *stage = peer_ptr(g, src_rank, sent->stage);
+    const float *stage_scales = (const float *)peer_ptr(g, src_rank, sent->stage_scales);
+    const epx_dtype_t src_dtype = (epx_dtype_t)sent->stage_dtype; /* as the source staged it */
+    void *dst[EPXC_MAX_TOPK];
+    float *dscale[EPXC_MAX_TOPK];
+    float factor[EPXC_MAX_TOPK];
+    const int m = expert_rows(s, plan, src_rank, src, t, a, c, dst, dscale, factor);
+    const void *in = (const char *)stage + slice_offset(src_dtype, t, H, c);
+    if (scaled || src_dtype != a->recv_dtype) { /* scaled copies, or staged in x's type */
+      convert_row(in, src_dtype, a->recv_dtype, w, dst, dscale, factor, scaled, m);
+    } else {
+      copy_row_raw(in, dst, m, (int64_t)w * dtype_bytes(a->recv_dtype));
+      const int first = (int)t * blocks + c / EPX_FP8_BLOCK, n = (w + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+      for (int j = 0; fp8 && j < m; j++)
+        for (int b = lane; b < n; b += EPXC_WARP) dscale[j][b] = stage_scales[first + b];
+    }
+  }
+}
+
 /* Two half-size blocks per SM of the budget: the SM's 1024 threads, as a work kernel's one
  * block has, while the ranks x num_sms <= SM count rule still makes every block of every rank
  * on the GPU resident at once. */
@@ -232,7 +268,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   const int p = complete ? ll->dispatch_plan : (int)(calls & 1);
   const uint64_t epoch = complete ? ll->dispatch_epoch : seq0 + 1;
   epxc_plan_t *plan = ll->plan[p];
-  const int H = s.hidden, R = s.nranks, lane = lane_id();
+  const int H = s.hidden;
   const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const bool fp8 = a.recv_dtype == EPX_FP8_E4M3, scaled = a.scale_by_probs != 0;
   /* staged in the receive type, unless every pair scales its copy: then in x's */
@@ -289,34 +325,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
   write_counts(&s, plan, &a);
 
-  /* Pairs (source, token) in slices, as the staging: a step has fewer rows than warps. The
-   * first slice of a row writes its weights (recv_probs), the others leave them. */
-  const int candidates = R * s.max_tokens;
-  const slicing_t sl = slicing(candidates, H);
-  for (int i = (int)warp_global(); i < candidates * sl.count; i += (int)warp_count()) {
-    int src_rank;
-    int64_t t;
-    const int pair = i / sl.count, c = (i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
-    if (!pair_arrived(&s, plan, pair, &src_rank, &t)) continue;
-    const epxc_peer_t *src = &plan->peer[src_rank];
-    const epxc_ll_dispatch_words_t *sent = &posted(&g, src_rank)->ll_dispatch;
-    const void *stage = peer_ptr(&g, src_rank, sent->stage);
-    const float *stage_scales = (const float *)peer_ptr(&g, src_rank, sent->stage_scales);
-    const epx_dtype_t src_dtype = (epx_dtype_t)sent->stage_dtype; /* as the source staged it */
-    void *dst[EPXC_MAX_TOPK];
-    float *dscale[EPXC_MAX_TOPK];
-    float factor[EPXC_MAX_TOPK];
-    const int m = expert_rows(&s, plan, src_rank, src, t, &a, c, dst, dscale, factor);
-    const void *in = (const char *)stage + slice_offset(src_dtype, t, H, c);
-    if (scaled || src_dtype != a.recv_dtype) { /* scaled copies, or staged in x's type */
-      convert_row(in, src_dtype, a.recv_dtype, w, dst, dscale, factor, scaled, m);
-    } else {
-      copy_row_raw(in, dst, m, (int64_t)w * dtype_bytes(a.recv_dtype));
-      const int first = (int)t * blocks + c / EPX_FP8_BLOCK, n = (w + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-      for (int j = 0; fp8 && j < m; j++)
-        for (int b = lane; b < n; b += EPXC_WARP) dscale[j][b] = stage_scales[first + b];
-    }
-  }
+  pull_rows(&s, &g, plan, &a);
   LL_TRACE(); /* 6: block 0's rows copied */
   LL_TRACE_PRINT("dispatch plan stage post wait place copy");
 }
