@@ -210,7 +210,10 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
   return !ex_failed;
 }
 
-static __device__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,
+/* Out of line: notify's kernel meets the peers twice, and with both copies inlined (nvcc 13.0,
+ * sm_90) threads past nranks loaded a mailbox flag at address 0 in the second (found with
+ * compute-sanitizer; a call per exchange costs nothing next to its wait). */
+static __device__ __noinline__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,
                                       const epxc_stamp_t stamp) {
   return exchange_wait(g, phase, exchange_post(g, phase, words, stamp));
 }
