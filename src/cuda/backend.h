@@ -115,6 +115,7 @@ typedef struct {
   epxc_plan_t *dev;        /* the device struct */
   epxc_plan_t host;        /* its pointers and strides, as uploaded */
   int64_t token_cap;       /* tokens the send-side buffers hold */
+  epxc_scan_t *scan;       /* how a notify launch's blocks meet (layout.cu) */
   void *partials;          /* combine's per-token partials */
   size_t partial_bytes;
   int64_t recv_capacity;   /* last dispatch's, sizes the partials in sync-free mode */

@@ -23,10 +23,12 @@
 #define EPXC_LL_PLAN_WORDS 4096 /* bitmap words a low-latency plan builds in shared memory: (R + E) x W */
 #define EPXC_EXCHANGE_THREADS 64    /* the one-block exchange kernel: thread r talks to rank r */
 #define EPXC_LAYOUT_THREADS 256     /* layout: a thread per token */
-#define EPXC_NOTIFY_THREADS 512     /* notify's build (a thread per token) and prefix (a warp per row) */
-#define EPXC_FINISH_THREADS 1024    /* notify's one-block finish: thread r reads rank r's plan */
+#define EPXC_NOTIFY_THREADS 512     /* notify: a warp builds a bitmap word (32 tokens); its last block
+                                       meets the peers (thread r talks to rank r) */
+#define EPXC_NOTIFY_SMEM (96 * 1024) /* notify's dynamic shared memory: the words a pass builds */
 
 static_assert(EPX_MAX_RANKS <= EPXC_EXCHANGE_THREADS, "the exchange gives every rank a thread");
+static_assert(EPX_MAX_RANKS <= EPXC_NOTIFY_THREADS, "notify's exchange gives every rank a thread");
 static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and placement give every rank a thread");
 
 /* ---- rows ------------------------------------------------------------------------------- */

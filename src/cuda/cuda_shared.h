@@ -2,12 +2,14 @@
  * device-resident structures and the launchers' signatures.
  *
  * The model: ranks pull. Every operation is a few work kernels (which never wait on a peer)
- * framed by exchange kernels (one block, which do): an exchange publishes a few words to every
+ * framed by exchanges (one block, which does): an exchange publishes a few words to every
  * peer (pointers to this rank's data, a status) and waits until every peer has published;
  * work kernels then read peers' memory directly; a closing exchange tells the peers this rank
- * has finished reading theirs. A rank thus writes only its own outputs, and only exchanges
- * need the ranks to be co-resident. Peer pointers come from whatever transport made them: the
- * kernels do not care whether a peer is on this GPU or across NVLink. */
+ * has finished reading theirs. An exchange is a kernel of its own, or the last part of one
+ * block of a work kernel (notify's, the low-latency kernels'). A rank thus writes only its own
+ * outputs, and only exchanges need the ranks to be co-resident. Peer pointers come from
+ * whatever transport made them: the kernels do not care whether a peer is on this GPU or
+ * across NVLink. */
 #ifndef EPX_CUDA_SHARED_H
 #define EPX_CUDA_SHARED_H
 
@@ -217,6 +219,22 @@ typedef struct epxc_plan {
   int64_t sent_copies;
 } epxc_plan_t;
 
+/* How the blocks of one notify launch (layout.cu) meet, per handle, in device memory: kept
+ * between launches, never cleared by the host after it is made (all zero, bad_key all ones).
+ * The header is followed by ready[blocks] (uint64_t: the launch number once that ticket's sums
+ * are written), then sums[blocks][R + E] (int32_t: each row's popcount over the ticket's words). */
+typedef struct {
+  uint32_t ticket;  /* blocks of the running launch that have started */
+  uint32_t done;    /* blocks of the running launch that have finished their part */
+  uint64_t epoch;   /* launches completed */
+  uint64_t bad_key; /* the running launch's first refused token (atomicMin); all ones between launches */
+  uint64_t pad_;
+} epxc_scan_t;
+
+static inline size_t epxc_scan_bytes(int blocks, int rows) {
+  return sizeof(epxc_scan_t) + sizeof(uint64_t) * (size_t)blocks + sizeof(int32_t) * (size_t)blocks * rows;
+}
+
 /* Everything a kernel needs to know about a comm's shapes. */
 typedef struct {
   int nranks, rank, num_experts, num_local, topk, hidden, align, max_tokens;
@@ -329,13 +347,11 @@ int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_
 int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, const int32_t *status_dev,
                   const epxc_stamp_t *stamp, void *stream);
 
-/* notify: normalise and validate the routing, build bitmaps and counts (bits and counts must
- * be zeroed by the caller); then prefix popcounts. */
-int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host, int64_t num_tokens,
-                      const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
-                      const uint8_t *routing_map, const float *probs, void *stream);
-/* after the exchange of plan pointers: the receive side of the plan */
-int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream);
+/* notify, in one launch: normalise and validate the routing into the plan (bitmaps, prefix
+ * popcounts, counts), meet the peers (plan pointers and statuses), derive the receive side and
+ * close with the exchange that tells the peers this rank has read their plans. */
+int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
+                const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream);
 
 int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t num_tokens, const void *topk_idx, epx_dtype_t idx_dtype,
                 const uint8_t *routing_map, int32_t *tokens_per_rank, int32_t *tokens_per_expert,

@@ -1,4 +1,5 @@
-/* The exchange kernel: the only kernel of the high-throughput path that waits on peers. */
+/* The exchange kernel: an exchange on its own, for the operations whose work kernels do not end
+ * in one (dispatch and combine of the high-throughput and all-to-all paths). */
 #include "cuda/exchange.cuh"
 
 static __global__ void exchange_kernel(epxc_group_t g, int phase, epxc_words_t words, epxc_stamp_t stamp,

@@ -88,7 +88,7 @@ static void cuda_handle_destroy(epx_handle_t *h) {
   if (cc->last_stream && cc->last_stream != st) wait_stream(h->comm, cc->last_stream);
   void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.kept, ch->host.block, ch->host.pairs_local,
                   ch->host.counts, ch->host.idx, ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
-                  ch->host.pair_send_base, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back,
+                  ch->host.pair_send_base, ch->scan, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back,
                   ch->ipc_x, ch->ipc_wgrad, ch->ll_dev};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
   for (int i = 0; i < 2; i++) {

@@ -1,6 +1,6 @@
 /* Layout and notify: from a routing (topk ids or a multi-hot map) to counts, per-token bitmaps
  * and, once every rank's counts are known, where each row lands. */
-#include "cuda/common.cuh"
+#include "cuda/exchange.cuh"
 
 /* A token whose routing is refused counts nowhere and is in no rank; the refusal is this
  * rank's recoverable error, reported by epx_comm_synchronize. */
@@ -49,51 +49,168 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
 
 /* ---- notify ------------------------------------------------------------------------------ */
 
-/* One thread per token: normalise, validate, set bits (which start zeroed; the prefix kernel
- * counts them). */
-static __global__ void build_kernel(epxc_shape_t s, epxc_plan_t *plan, int64_t T, const void *topk_idx,
-                                    epx_dtype_t idx_dtype, const float *topk_weights, const uint8_t *map,
-                                    const float *probs) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    plan->num_tokens = T;
-    plan->refused = EPX_SUCCESS;
-  }
-  int32_t ids[EPXC_MAX_TOPK];
-  float ws[EPXC_MAX_TOPK];
-  for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
+/* Notify is one launch. Blocks take tickets in the order they start; ticket i builds bitmap
+ * words [i * per, (i + 1) * per) of every row (R rank rows, then E expert rows), a warp per word
+ * (32 tokens, a lane each), and publishes its rows' popcounts over those words. Its prefix
+ * popcounts then need only the sums of the tickets before it: a block waits only for blocks
+ * that started before it, so no launch-wide barrier, and nothing depends on how many blocks
+ * are resident. The last block to finish meets the peers, derives the receive side (finish)
+ * and closes. Nothing is cleared beforehand: every word in use is written whole. */
+
+/* What follows a scan header (epxc_scan_t): the tickets' ready flags, then their sums. */
+static __device__ __forceinline__ uint64_t *scan_ready(epxc_scan_t *scan) { return (uint64_t *)(scan + 1); }
+static __device__ __forceinline__ int32_t *scan_sums(epxc_scan_t *scan, int blocks) {
+  return (int32_t *)(scan_ready(scan) + blocks);
+}
+
+/* Where the ticket `i` of `blocks` starts in a plan of `used` words, and the words it owns. */
+static __device__ __forceinline__ int64_t ticket_first(int64_t used, int blocks, int i) {
+  const int64_t per = (used + blocks - 1) / blocks;
+  const int64_t first = (int64_t)i * per;
+  return first < used ? first : used;
+}
+
+/* Bitmap word `tw` of every row into col[rows] (shared memory), from the warp's 32 tokens, a
+ * lane each, whose routings are normalised into the plan on the way. A refused token sets no
+ * bit; the first one's key (token << 16 | slot << 8 | status) is kept in *bad_key. */
+static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_route_t *r, int64_t tw,
+                                  uint32_t *col, unsigned long long *bad_key) {
+  const int K = s->topk, R = s->nranks, L = s->num_local, rows = R + s->num_experts, lane = lane_id();
+  for (int i = lane; i < rows; i += EPXC_WARP) col[i] = 0;
+  __syncwarp();
+  const int64_t t = tw * EPXC_WARP + lane;
+  uint64_t ranks = 0;
+  if (t < r->num_tokens) {
+    int32_t ids[EPXC_MAX_TOPK];
+    float ws[EPXC_MAX_TOPK];
     int bad = 0;
-    int st = read_route(&s, t, topk_idx, idx_dtype, topk_weights, map, probs, ids, ws, &bad);
+    const int st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
     if (st != EPX_SUCCESS)
-      atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
-    else
-      plan_token(&s, plan, plan_bits(plan), t, ids, ws);
+      atomicMin(bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
+    for (int k = 0; k < K && st == EPX_SUCCESS; k++) {
+      plan->idx[t * K + k] = ids[k];
+      plan->weight[t * K + k] = ws[k];
+      if (ids[k] < 0) continue;
+      ranks |= 1ull << (ids[k] / L);
+      atomicOr(&col[R + ids[k]], 1u << lane);
+    }
+  }
+  for (int d = 0; d < R; d++) {
+    const uint32_t word = __ballot_sync(0xffffffffu, (ranks >> d) & 1);
+    if (lane == 0) col[d] = word;
+  }
+  __syncwarp();
+}
+
+/* A pass's `ncols` words of every row, from its columns in shared memory (cols[j * rows + row]
+ * holds word w0 + j): the bits, and the prefix popcounts counted from this ticket's first
+ * word (carry[row], advanced). */
+static __device__ void store_pass(const epxc_shape_t *s, epxc_plan_t *plan, const uint32_t *cols, int64_t w0,
+                                  int ncols, int32_t *carry) {
+  const int R = s->nranks, rows = R + s->num_experts;
+  const int64_t W = plan->words;
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+    uint32_t *bits = row < R ? plan->rank_bits + (int64_t)row * W : plan->exp_bits + (int64_t)(row - R) * W;
+    int32_t *pre = row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
+    int32_t c = carry[row];
+    for (int j = 0; j < ncols; j++) {
+      const uint32_t word = cols[j * rows + row];
+      bits[w0 + j] = word;
+      pre[w0 + j] = c;
+      c += __popc(word);
+    }
+    carry[row] = c;
   }
 }
 
-/* Prefix popcounts and counts of every bitmap row, a warp per row; the bad-token key the
- * build left becomes this rank's status for the exchange. */
-static __global__ void prefix_kernel(epxc_shape_t s, epxc_plan_t *plan) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
-  plan_prefix(&s, plan, plan_bits(plan), warp_global(), warp_count());
+/* This ticket's words, `ncols` at a time (a warp each): carry[row] ends as the ticket's popcount
+ * of every row. */
+static __device__ void build_ticket(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_route_t *r,
+                                    epxc_scan_t *scan, int64_t first, int64_t last, int ncols, uint32_t *cols,
+                                    int32_t *carry) {
+  const int rows = s->nranks + s->num_experts, warp = threadIdx.x / EPXC_WARP;
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) carry[row] = 0;
+  for (int64_t w0 = first; w0 < last; w0 += ncols) {
+    const int n = last - w0 < ncols ? (int)(last - w0) : ncols;
+    if (warp < n) build_word(s, plan, r, w0 + warp, cols + warp * rows, (unsigned long long *)&scan->bad_key);
+    __syncthreads();
+    store_pass(s, plan, cols, w0, n, carry);
+    __syncthreads();
+  }
 }
 
-extern "C" int epxc_notify_build(const epxc_shape_t *s, epxc_plan_t *plan_dev, const epxc_plan_t *plan_host,
-                                 int64_t T, const void *topk_idx, epx_dtype_t idx_dtype, const float *topk_weights,
-                                 const uint8_t *map, const float *probs, void *stream) {
-  cudaStream_t st = (cudaStream_t)stream;
-  const int64_t W = plan_host->words, R = s->nranks, E = s->num_experts;
-  cudaMemsetAsync(plan_host->rank_bits, 0, sizeof(uint32_t) * R * W, st);
-  cudaMemsetAsync(plan_host->exp_bits, 0, sizeof(uint32_t) * E * W, st);
-  cudaMemsetAsync(&plan_dev->bad_key, 0xff, sizeof(uint64_t), st);
-  build_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, 0, st>>>(*s, plan_dev, T, topk_idx, idx_dtype, topk_weights, map, probs);
-  prefix_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, 0, st>>>(*s, plan_dev);
-  return (int)cudaGetLastError();
+/* Publishes ticket i's popcounts, waits (bounded) for every earlier ticket's, and adds their sum
+ * to this ticket's prefix popcounts; the last ticket writes the counts (the rows' totals).
+ * Tickets before i were taken by blocks already running, which wait for none after them. */
+static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan,
+                                   uint64_t launch, int i, int64_t first, int64_t last, int32_t *carry,
+                                   int32_t *off) {
+  const int R = s->nranks, rows = R + s->num_experts, tid = threadIdx.x;
+  uint64_t *ready = scan_ready(scan);
+  int32_t *sums = scan_sums(scan, gridDim.x);
+  for (int row = tid; row < rows; row += blockDim.x) sums[(int64_t)i * rows + row] = carry[row];
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    st_release(&ready[i], launch);
+  }
+  __shared__ int late;
+  if (tid == 0) late = 0;
+  __syncthreads();
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spin = 0; tid < i && ld_acquire(&ready[tid]) < launch; spin++)
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
+      late = 1;
+      break;
+    }
+  __syncthreads();
+  if (late) return false;
+  for (int row = tid; row < rows; row += blockDim.x) {
+    int32_t o = 0;
+    for (int j = 0; j < i; j++) o += ((volatile int32_t *)sums)[(int64_t)j * rows + row];
+    off[row] = o;
+    if (i == (int)gridDim.x - 1) plan->counts[row] = o + carry[row];
+  }
+  __syncthreads();
+  const int64_t W = plan->words, n = last - first;
+  for (int64_t k = tid; i > 0 && k < (int64_t)rows * n; k += blockDim.x) {
+    const int row = (int)(k / n);
+    int32_t *pre = row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
+    pre[first + k % n] += off[row];
+  }
+  return true;
+}
+
+/* Whether this block finished last (all the others' plan writes then visible to it); that
+ * block also resets the scan for the next launch. */
+static __device__ bool finished_last(epxc_plan_t *plan, epxc_scan_t *scan, uint64_t launch, int64_t T) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system(); /* the peers read the plan once the exchange publishes it */
+    last = atomicAdd(&scan->done, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence();
+      const uint64_t bad = *(volatile uint64_t *)&scan->bad_key;
+      plan->num_tokens = T;
+      plan->refused = EPX_SUCCESS;
+      plan->bad_key = bad;
+      plan->status = plan_status(bad);
+      scan->bad_key = ~0ull;
+      scan->ticket = 0;
+      scan->done = 0;
+      scan->epoch = launch;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return last;
 }
 
 /* Exclusive prefix sums of round_up(in[i], align), i < n, into starts (unless NULL), by the
  * whole block in chunks of its size; returns the sum to every thread. */
 static __device__ int64_t block_scan(const int32_t *in, int n, int align, int64_t *starts) {
-  __shared__ int64_t warp_base[EPXC_FINISH_THREADS / EPXC_WARP];
+  __shared__ int64_t warp_base[EPXC_NOTIFY_THREADS / EPXC_WARP];
   __shared__ int64_t carry;
   const int lane = lane_id(), wid = threadIdx.x / EPXC_WARP, warps = blockDim.x / EPXC_WARP;
   if (threadIdx.x == 0) carry = 0;
@@ -160,9 +277,9 @@ static __device__ void apply_budget(const epxc_shape_t *s, epxc_plan_t *plan, co
  * then the receive side, from every rank's counts. The peers' counts are read once, by all the
  * threads at once, into shared memory; the sums over ranks, experts and rows are block scans:
  * a decode step's whole notify is a few round trips. */
-static __global__ void __launch_bounds__(EPXC_FINISH_THREADS) finish_kernel(epxc_shape_t s, epxc_group_t g,
-                                                                           epxc_plan_t *plan) {
-  const epxc_state_t *st = g.state[g.rank];
+static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, epxc_plan_t *plan) {
+  const epxc_shape_t s = *sp;
+  const epxc_state_t *st = g->state[g->rank];
   const int R = s.nranks, L = s.num_local, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
   __shared__ int stop;
   __shared__ int32_t tokens[EPX_MAX_RANKS * EPX_MAX_RANKS]; /* [q * R + d]: q's tokens for d */
@@ -174,7 +291,7 @@ static __global__ void __launch_bounds__(EPXC_FINISH_THREADS) finish_kernel(epxc
   }
   __syncthreads();
   if (stop || plan->group_status) return;
-  if (tid < R) peer_view(&g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
+  if (tid < R) peer_view(g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
   __syncthreads();
   for (int i = tid; i < R * R; i += nt) tokens[i] = plan->peer[i / R].counts[i % R];
   for (int i = tid; i < L * R; i += nt) pairs[i] = plan->peer[i % R].counts[R + me * L + i / R];
@@ -217,14 +334,62 @@ static __global__ void __launch_bounds__(EPXC_FINISH_THREADS) finish_kernel(epxc
   for (int i = tid; i < L * R; i += nt) plan->pair_base[i] += plan->block[i / R];
 }
 
-extern "C" int epxc_notify_finish(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, void *stream) {
-  finish_kernel<<<1, EPXC_FINISH_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev);
+/* Notify in one launch (see above): build and prefix popcounts over every block, then the
+ * block that finished last meets the peers (plan pointers and statuses), derives the receive
+ * side and closes with the exchange that tells the peers it has read their plans. */
+static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
+    notify_kernel(epxc_shape_t s, epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan, epxc_route_t r,
+                  epxc_stamp_t stamp, int ncols) {
+  extern __shared__ uint32_t notify_smem[];
+  const int rows = s.nranks + s.num_experts;
+  uint32_t *cols = notify_smem;                           /* [ncols, rows]: a pass's words, a column per warp */
+  int32_t *carry = (int32_t *)(cols + (int64_t)ncols * rows); /* [rows]: this ticket's popcounts */
+  int32_t *off = carry + rows;                            /* [rows]: the earlier tickets' */
+  __shared__ int ticket;
+  __shared__ uint64_t launch;
+  if (threadIdx.x == 0) {
+    ticket = (int)atomicAdd(&scan->ticket, 1u);
+    launch = *(volatile uint64_t *)&scan->epoch + 1;
+  }
+  __syncthreads();
+  const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
+  const int64_t first = ticket_first(used, gridDim.x, ticket), last = ticket_first(used, gridDim.x, ticket + 1);
+  build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry);
+  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off) && threadIdx.x == 0) {
+    record_error(&g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g.rank, (int64_t)(g.timeout_ns / 1000000));
+    g.state[g.rank]->aborted = 1; /* this rank stops; the exchanges below post nothing */
+  }
+  if (!finished_last(plan, scan, launch, r.num_tokens)) return;
+  epxc_words_t words = {{0}};
+  words.notify.status = (uint64_t)(uint32_t)plan->status;
+  words.notify.plan = (uint64_t)(uintptr_t)plan;
+  words.notify.num_tokens = (uint64_t)r.num_tokens;
+  exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp);
+  finish_block(&s, &g, plan);
+  const epxc_words_t none = {{0}};
+  const epxc_stamp_t closing = {{0}};
+  exchange_block(&g, EPXC_PH_NOTIFY_DONE, &none, closing);
+}
+
+/* Columns a notify pass builds at once: a warp each, as many as shared memory holds. */
+static int notify_columns(int rows) {
+  const int fit = (int)((EPXC_NOTIFY_SMEM - 2 * sizeof(int32_t) * rows) / (sizeof(uint32_t) * rows));
+  return fit < EPXC_NOTIFY_THREADS / EPXC_WARP ? fit : EPXC_NOTIFY_THREADS / EPXC_WARP;
+}
+
+extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
+                           const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream) {
+  const int rows = s->nranks + s->num_experts, ncols = notify_columns(rows);
+  const size_t smem = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows;
+  notify_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp,
+                                                                                  ncols);
   return (int)cudaGetLastError();
 }
 
 extern "C" int epxc_preload_layout(size_t *stack) {
-  const void *const kernels[] = {
-      (const void *)layout_kernel, (const void *)build_kernel, (const void *)prefix_kernel,
-      (const void *)finish_kernel};
-  return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
+  const void *const kernels[] = {(const void *)layout_kernel, (const void *)notify_kernel};
+  const cudaError_t e = preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
+  if (e != cudaSuccess) return (int)e;
+  return (int)cudaFuncSetAttribute((const void *)notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   EPXC_NOTIFY_SMEM);
 }

@@ -22,6 +22,12 @@ static epx_status_t ensure_tokens(epx_comm_t *c, cuda_handle_t *ch, int64_t cap,
   EPX_CHECK(grow(cc, ch, st, (void **)&p->exp_bits, sizeof(uint32_t) * E * W, "expert bitmap"));
   EPX_CHECK(grow(cc, ch, st, (void **)&p->exp_pre, sizeof(int32_t) * E * W, "expert prefix"));
   p->words = W;
+  if (!ch->scan) { /* how notify's blocks meet: made once, zero but for an all-ones bad_key */
+    const size_t bytes = epxc_scan_bytes(cc->shape.num_sms, (int)(R + E));
+    EPX_CHECK(grow(cc, ch, st, (void **)&ch->scan, bytes, "notify scan"));
+    CUDA_TRY(cudaMemsetAsync(ch->scan, 0, bytes, st), "notify scan");
+    CUDA_TRY(cudaMemsetAsync(&ch->scan->bad_key, 0xff, sizeof ch->scan->bad_key, st), "notify scan");
+  }
   ch->token_cap = cap;
   CUDA_TRY(cudaMemcpyAsync(ch->dev, p, sizeof *p, cudaMemcpyHostToDevice, st), "plan upload");
   /* the upload reads `p` when the stream gets there: keep it still until then */
@@ -83,17 +89,12 @@ epx_status_t framed_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *
   epx_status_t grown = ensure_tokens(c, ch, r->num_tokens, st);
   if (grown != EPX_SUCCESS) return cuda_abort(c, h, h->dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, grown);
   epxc_shape_t s = shape_of(c, h);
-  LAUNCH_TRY(epxc_notify_build(&s, ch->dev, &ch->host, r->num_tokens, r->topk_idx,
-                               r->idx_dtype, r->topk_idx ? r->topk_weights : NULL,
-                               r->topk_idx ? NULL : r->routing_map, r->topk_idx ? NULL : r->probs, st),
-             "notify kernels");
-  epxc_words_t words = {{0}};
-  words.notify.plan = (uint64_t)(uintptr_t)ch->dev;
-  words.notify.num_tokens = (uint64_t)r->num_tokens;
+  const epxc_route_t route = {.num_tokens = r->num_tokens, .topk_idx = r->topk_idx, .idx_dtype = r->idx_dtype,
+                              .topk_weights = r->topk_idx ? r->topk_weights : NULL,
+                              .routing_map = r->topk_idx ? NULL : r->routing_map,
+                              .probs = r->topk_idx ? NULL : r->probs};
   const epxc_stamp_t stamp = stamp_of(c);
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY, &words, &ch->dev->status, &stamp, st), "notify exchange");
-  LAUNCH_TRY(epxc_notify_finish(&s, &cc->group, ch->dev, st), "notify finish");
-  LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_NOTIFY_DONE, NULL, NULL, NULL, st), "notify closing exchange");
+  LAUNCH_TRY(epxc_notify(&s, &cc->group, ch->dev, ch->scan, &route, &stamp, st), "notify kernel");
   if (!h->hc.exact) return EPX_SUCCESS;
   return wait_counts(c, ch, r, st);
 }
