@@ -381,8 +381,9 @@ extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_pl
                            const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream) {
   const int rows = s->nranks + s->num_experts, ncols = notify_columns(rows);
   const size_t smem = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows;
-  notify_kernel<<<s->num_sms, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp,
-                                                                                  ncols);
+  /* a ticket's look-back gives each earlier ticket a thread: no more blocks than threads */
+  const int blocks = s->num_sms < EPXC_NOTIFY_THREADS ? s->num_sms : EPXC_NOTIFY_THREADS;
+  notify_kernel<<<blocks, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp, ncols);
   return (int)cudaGetLastError();
 }
 
