@@ -323,6 +323,12 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, epxc
   }
 }
 
+/* The key a plan's build keeps of refused token t (slot `slot`, status `st`): the smallest
+ * key, atomicMin, is the first bad token's. */
+static __device__ __forceinline__ unsigned long long bad_route_key(int64_t t, int slot, int st) {
+  return ((unsigned long long)t << 16) | ((unsigned)slot << 8) | (unsigned)st;
+}
+
 /* A plan's status from the key its build left (the first bad token's, all ones: none). */
 static __device__ __forceinline__ int32_t plan_status(uint64_t bad_key) {
   return bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(bad_key & 0xff);

@@ -86,7 +86,7 @@ static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, cons
     int bad = 0;
     const int st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
     if (st != EPX_SUCCESS)
-      atomicMin(bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
+      atomicMin(bad_key, bad_route_key(t, bad, st));
     for (int k = 0; k < K && st == EPX_SUCCESS; k++) {
       plan->idx[t * K + k] = ids[k];
       plan->weight[t * K + k] = ws[k];

@@ -156,7 +156,7 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
       else
         st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
       if (st != EPX_SUCCESS)
-        atomicMin((unsigned long long *)&plan->bad_key, ((unsigned long long)t << 16) | ((unsigned)bad << 8) | (unsigned)st);
+        atomicMin((unsigned long long *)&plan->bad_key, bad_route_key(t, bad, st));
       else
         plan_token(s, plan, b, t, ids, ws);
     }
