@@ -249,6 +249,9 @@ void cuda_comm_destroy(epx_comm_t *c);
 epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h);
 /* The stamp of the call in progress (c->stamp), as the call's first exchange carries it. */
 epxc_stamp_t stamp_of(const epx_comm_t *c);
+/* A routing as the kernels read it: topk ids (with their weights), else the map (with its
+ * probabilities); not a replay. */
+epxc_route_t route_of(const epx_routing_t *r);
 epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st);
 epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st);
 void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p);

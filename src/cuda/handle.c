@@ -112,6 +112,13 @@ epxc_stamp_t stamp_of(const epx_comm_t *c) {
   return w;
 }
 
+epxc_route_t route_of(const epx_routing_t *r) {
+  return (epxc_route_t){.num_tokens = r->num_tokens, .topk_idx = r->topk_idx, .idx_dtype = r->idx_dtype,
+                        .topk_weights = r->topk_idx ? r->topk_weights : NULL,
+                        .routing_map = r->topk_idx ? NULL : r->routing_map,
+                        .probs = r->topk_idx ? NULL : r->probs};
+}
+
 epxc_shape_t shape_of(const epx_comm_t *c, const epx_handle_t *h) {
   epxc_shape_t s = CC(c)->shape;
   s.align = h->hc.align;

@@ -89,10 +89,7 @@ epx_status_t framed_notify(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *
   epx_status_t grown = ensure_tokens(c, ch, r->num_tokens, st);
   if (grown != EPX_SUCCESS) return cuda_abort(c, h, h->dispatch_follows ? EPXI_OP_NOTIFY_DISPATCH : EPXI_OP_NOTIFY, grown);
   epxc_shape_t s = shape_of(c, h);
-  const epxc_route_t route = {.num_tokens = r->num_tokens, .topk_idx = r->topk_idx, .idx_dtype = r->idx_dtype,
-                              .topk_weights = r->topk_idx ? r->topk_weights : NULL,
-                              .routing_map = r->topk_idx ? NULL : r->routing_map,
-                              .probs = r->topk_idx ? NULL : r->probs};
+  const epxc_route_t route = route_of(r);
   const epxc_stamp_t stamp = stamp_of(c);
   LAUNCH_TRY(epxc_notify(&s, &cc->group, ch->dev, ch->scan, &route, &stamp, st), "notify kernel");
   if (!h->hc.exact) return EPX_SUCCESS;

@@ -45,15 +45,8 @@ static epx_status_t ll_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispat
   cuda_handle_t *ch = h->impl;
   ch->recv_capacity = (int64_t)c->nranks * c->cfg.max_tokens_per_rank;
   /* the recorded routing, or (a replay) the last plan's own copy of it */
-  const epx_routing_t *rt = &ch->ll_route;
-  epxc_route_t route = {.num_tokens = ch->num_tokens, .replay = !ch->ll_route_pending};
-  if (ch->ll_route_pending) {
-    route.topk_idx = rt->topk_idx;
-    route.idx_dtype = rt->idx_dtype;
-    route.topk_weights = rt->topk_idx ? rt->topk_weights : NULL;
-    route.routing_map = rt->topk_idx ? NULL : rt->routing_map;
-    route.probs = rt->topk_idx ? NULL : rt->probs;
-  }
+  const epxc_route_t route = ch->ll_route_pending ? route_of(&ch->ll_route)
+                                                  : (epxc_route_t){.num_tokens = ch->num_tokens, .replay = 1};
   ch->ll_route_pending = false;
   ch->ll_dispatched = true;
   ch->ll_send_dispatch = *d;
