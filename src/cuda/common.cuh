@@ -323,6 +323,15 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, epxc
   }
 }
 
+/* Bitmap row `row` of a plan (R rank rows, then E expert rows, W words each) and its prefix
+ * popcounts. */
+static __device__ __forceinline__ uint32_t *plan_bits_row(const epxc_plan_t *plan, int R, int64_t W, int row) {
+  return row < R ? plan->rank_bits + (int64_t)row * W : plan->exp_bits + (int64_t)(row - R) * W;
+}
+static __device__ __forceinline__ int32_t *plan_pre_row(const epxc_plan_t *plan, int R, int64_t W, int row) {
+  return row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
+}
+
 /* The key a plan's build keeps of refused token t (slot `slot`, status `st`): the smallest
  * key, atomicMin, is the first bad token's. */
 static __device__ __forceinline__ unsigned long long bad_route_key(int64_t t, int slot, int st) {

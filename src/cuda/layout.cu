@@ -110,8 +110,8 @@ static __device__ void store_pass(const epxc_shape_t *s, epxc_plan_t *plan, cons
   const int R = s->nranks, rows = R + s->num_experts;
   const int64_t W = plan->words;
   for (int row = threadIdx.x; row < rows; row += blockDim.x) {
-    uint32_t *bits = row < R ? plan->rank_bits + (int64_t)row * W : plan->exp_bits + (int64_t)(row - R) * W;
-    int32_t *pre = row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
+    uint32_t *bits = plan_bits_row(plan, R, W, row);
+    int32_t *pre = plan_pre_row(plan, R, W, row);
     int32_t c = carry[row];
     for (int j = 0; j < ncols; j++) {
       const uint32_t word = cols[j * rows + row];
@@ -175,7 +175,7 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   const int64_t W = plan->words, n = last - first;
   for (int64_t k = tid; i > 0 && k < (int64_t)rows * n; k += blockDim.x) {
     const int row = (int)(k / n);
-    int32_t *pre = row < R ? plan->rank_pre + (int64_t)row * W : plan->exp_pre + (int64_t)(row - R) * W;
+    int32_t *pre = plan_pre_row(plan, R, W, row);
     pre[first + k % n] += off[row];
   }
   return true;
