@@ -162,9 +162,12 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
   }
   __syncthreads();
   if (!epoch) return false;
-  volatile epxc_slot_t *in = r < R ? &me->post[epoch & 1][r] : NULL;
+  /* Threads past R point at slot 0 and never use it: never a null pointer, which nvcc 13.0
+   * (sm_90) was seen to load from when the test was on the pointer itself. */
+  const bool mine = r < R;
+  volatile epxc_slot_t *in = &me->post[epoch & 1][mine ? r : 0];
   int got = WAIT_ARRIVED;
-  if (in) {
+  if (mine) {
     fence_sc(); /* this rank's post before its reading of the verdicts (see give_up_or_not) */
     got = wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase);
     if (got == WAIT_FAILED) ex_failed = 1;
@@ -173,7 +176,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
   __syncthreads();
   const bool failed = ex_failed, late = ex_late; /* read before any thread writes ex_failed again */
   const bool ok = !failed && (!late || give_up_or_not(g, epoch, phase, got == WAIT_LATE));
-  if (in && ok) {
+  if (mine && ok) {
     if (r != g->rank && !peer_kept(g, in, epoch, r, phase)) ex_failed = 1;
     ex_tag[r] = in->phase_tag;
     for (int i = 0; i < EPXC_STAMP_WORDS; i++) ex_stamp[r].word[i] = in->stamp.word[i];
@@ -212,7 +215,9 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
 
 /* Out of line: notify's kernel meets the peers twice, and with both copies inlined (nvcc 13.0,
  * sm_90) threads past nranks loaded a mailbox flag at address 0 in the second (found with
- * compute-sanitizer; a call per exchange costs nothing next to its wait). */
+ * compute-sanitizer; a call per exchange costs nothing next to its wait). A kernel that calls
+ * it takes its group as a __grid_constant__ parameter: passing the address of a plain one
+ * makes every thread copy the 1 KB group to local memory first. */
 static __device__ __noinline__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,
                                       const epxc_stamp_t stamp) {
   return exchange_wait(g, phase, exchange_post(g, phase, words, stamp));
