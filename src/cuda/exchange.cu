@@ -2,8 +2,8 @@
  * in one (dispatch and combine of the high-throughput and all-to-all paths). */
 #include "cuda/exchange.cuh"
 
-static __global__ void exchange_kernel(const __grid_constant__ epxc_group_t g, int phase, epxc_words_t words, epxc_stamp_t stamp,
-                                       const int32_t *status_dev) {
+static __global__ void exchange_kernel(const __grid_constant__ epxc_group_t g, int phase, epxc_words_t words,
+                                       epxc_stamp_t stamp, const int32_t *status_dev) {
   if (status_dev) words.status = (uint64_t)(uint32_t)*status_dev;
   exchange_block(&g, phase, &words, stamp);
 }

@@ -338,8 +338,8 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
  * block that finished last meets the peers (plan pointers and statuses), derives the receive
  * side and closes with the exchange that tells the peers it has read their plans. */
 static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
-    notify_kernel(epxc_shape_t s, const __grid_constant__ epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan, epxc_route_t r,
-                  epxc_stamp_t stamp, int ncols) {
+    notify_kernel(epxc_shape_t s, const __grid_constant__ epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan,
+                  epxc_route_t r, epxc_stamp_t stamp, int ncols) {
   extern __shared__ uint32_t notify_smem[];
   const int rows = s.nranks + s.num_experts;
   uint32_t *cols = notify_smem;                           /* [ncols, rows]: a pass's words, a column per warp */
