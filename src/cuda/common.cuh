@@ -243,6 +243,12 @@ static __device__ __forceinline__ int64_t warp_global(void) {
 }
 static __device__ __forceinline__ int64_t warp_count(void) { return (int64_t)gridDim.x * (blockDim.x / EPXC_WARP); }
 
+/* The pointer lane j holds (the whole warp calls). */
+template <typename P>
+static __device__ __forceinline__ P *lane_ptr(P *p, int j) {
+  return (P *)__shfl_sync(0xffffffffu, (uintptr_t)p, j);
+}
+
 /* ---- routing ----------------------------------------------------------------------------- */
 
 /* Reads token t's routing into ids/ws (K slots, -1 / 0 padded). Returns a status: a bad id, a

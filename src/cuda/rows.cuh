@@ -18,14 +18,14 @@ static __device__ __forceinline__ bool plan_void(const epxc_group_t *g, const ep
 }
 
 /* The slots of token t of `src` that land on rank `me` (and are kept there: a receive budget
- * drops the others), sorted by local expert (ties in slot order): their receive rows row[j]
- * and routing weights weight[j], j < the return value.
+ * drops the others), sorted by local expert (ties in slot order): lane j < the return value
+ * gets the j-th one's receive row (*row) and routing weight (*weight).
  * Called by a whole warp. The source's routing is usually a peer's memory, across the link:
  * lane k reads slot k, so the K slots cost one round trip (then one more for the expert
  * bitmaps), not K. */
-static_assert(EPXC_MAX_TOPK <= 32, "local_slots gives each routing slot a lane of its own");
-static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
-                                  int64_t t, int64_t *row, float *weight) {
+static_assert(EPXC_MAX_TOPK <= 32, "local_slot_lanes gives each routing slot a lane of its own");
+static __device__ int local_slot_lanes(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
+                                       const epxc_peer_t *src, int64_t t, int64_t *row, float *weight) {
   const int K = s->topk, L = s->num_local, R = s->nranks, me = s->rank, lane = lane_id();
   const int64_t W = src->words;
   int my_l = 0;
@@ -50,13 +50,29 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
     const int lk = __shfl_sync(0xffffffffu, my_l, k);
     pos += lk < my_l || (lk == my_l && k < lane);
   }
+  *row = 0;
+  *weight = 0.0f;
   for (unsigned rest = here; rest; rest &= rest - 1) {
     const int k = __ffs(rest) - 1;
     const int p = __shfl_sync(0xffffffffu, pos, k);
-    row[p] = __shfl_sync(0xffffffffu, my_row, k);
-    weight[p] = __shfl_sync(0xffffffffu, my_w, k);
+    const int64_t rk = __shfl_sync(0xffffffffu, my_row, k);
+    const float wk = __shfl_sync(0xffffffffu, my_w, k);
+    if (p == lane) *row = rk, *weight = wk;
   }
   return __popc(here);
+}
+
+/* local_slot_lanes' rows and weights as arrays: row[j], weight[j], j < the return value. */
+static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
+                                  int64_t t, int64_t *row, float *weight) {
+  int64_t my_row;
+  float my_w;
+  const int m = local_slot_lanes(s, plan, src_rank, src, t, &my_row, &my_w);
+  for (int j = 0; j < m; j++) {
+    row[j] = __shfl_sync(0xffffffffu, my_row, j);
+    weight[j] = __shfl_sync(0xffffffffu, my_w, j);
+  }
+  return m;
 }
 
 /* Expert layout, receiving side of a dispatch: where channel c (a multiple of 256: a row cut
@@ -264,20 +280,34 @@ static __device__ void reduce_rows(const void *const *rows, const float *w, int 
   reduce_rows_ahead<2>(rows, w, m, in_dtype, out, out_dtype, hidden);
 }
 
-/* Destination side of an expert-layout combine: channels [c, c + width) of token t of
- * src_rank's partial (out points at its channel c), its rows weighted and summed in ascending
- * local expert. Each channel's sum is the same whatever the range. */
+/* Destination side of an expert-layout combine: the rows of token t of src_rank here, from
+ * channel c on, in ascending local expert: lane j < the return value gets the j-th one's
+ * address (*row) and weight (*w). */
+static __device__ int partial_row_lanes(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
+                                        const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, int64_t c,
+                                        const void **row, float *w) {
+  int64_t r;
+  const int m = local_slot_lanes(s, plan, src_rank, src, t, &r, w);
+  *row = NULL;
+  if (lane_id() < m) {
+    *w = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[r] : *w;
+    *row = (const char *)row_at(a->y, a->y_dtype, r, s->hidden) + (size_t)c * dtype_bytes(a->y_dtype);
+  }
+  return m;
+}
+
+/* Channels [c, c + width) of token t of src_rank's partial (out points at its channel c): its
+ * rows weighted and summed in ascending local expert. Each channel's sum is the same whatever
+ * the range. */
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
                                         const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out,
                                         int64_t c, int width) {
-  int64_t row[EPXC_MAX_TOPK];
-  float w[EPXC_MAX_TOPK];
-  const void *rows[EPXC_MAX_TOPK];
-  const int m = local_slots(s, plan, src_rank, src, t, row, w);
-  const size_t at = (size_t)c * dtype_bytes(a->y_dtype);
+  float w[EPXC_MAX_TOPK], my_w;
+  const void *rows[EPXC_MAX_TOPK], *my_row;
+  const int m = partial_row_lanes(s, plan, src_rank, src, t, a, c, &my_row, &my_w);
   for (int j = 0; j < m; j++) {
-    w[j] = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row[j]] : w[j];
-    rows[j] = (const char *)row_at(a->y, a->y_dtype, row[j], s->hidden) + at;
+    rows[j] = lane_ptr(my_row, j);
+    w[j] = __shfl_sync(0xffffffffu, my_w, j);
   }
   reduce_rows(rows, w, m, a->y_dtype, out, a->y_dtype, width);
 }
