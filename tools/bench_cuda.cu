@@ -6,9 +6,9 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 
+#include "cuda/tma.cuh"
 extern "C" {
 #include "bench_dev.h"
-#include "cuda/tma.cuh"
 #include "dense_ref.h"
 }
 

@@ -1,6 +1,7 @@
-/* The bulk-copy instructions of sm_90 (PTX ISA 8.0): mbarriers and cp.async.bulk, the TMA
- * engine's copies without a tensor map. Only what bulk.cuh and the benchmark's reference copy
- * use; no dependency on the rest of the kernels. */
+/* Asynchronous copies: the bulk-copy instructions of sm_90 (PTX ISA 8.0: mbarriers and
+ * cp.async.bulk, the TMA engine's copies without a tensor map) and the per-thread 16-byte
+ * cp.async of sm_80. Only what bulk.cuh, ring.cuh and the benchmark's reference copy use;
+ * no dependency on the rest of the kernels. */
 #ifndef EPX_CUDA_TMA_CUH
 #define EPX_CUDA_TMA_CUH
 
@@ -60,5 +61,22 @@ static __device__ __forceinline__ void bulk_wait_read_all(void) { EPXC_TMA("cp.a
 /* Until every committed group's writes are done. */
 static __device__ __forceinline__ void bulk_wait_all(void) { EPXC_TMA("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+/* ---- per-thread copies (sm_80): a thread's own groups, waited for by that thread ------------ */
+
+/* global -> shared, 16 bytes, in the thread's current group (L2 only: the bytes are read once) */
+static __device__ __forceinline__ void lane_copy16(void *dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)),
+               "l"((uint64_t)__cvta_generic_to_global(src))
+               : "memory");
+}
+
+/* Closes the thread's current group (an empty one too: it completes at once). */
+static __device__ __forceinline__ void lane_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+/* Until at most PENDING of the thread's newest groups are still in flight. */
+template <int PENDING>
+static __device__ __forceinline__ void lane_wait(void) {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
 
 #endif
