@@ -52,6 +52,16 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 #define EPXC_BULK_BATCH 32          /* jobs a warp describes at once: a bitmap word's tokens */
 #define EPXC_SMEM_MAX (227 * 1024)  /* sm_90's dynamic shared memory per block */
 
+/* ---- converting rows (ring.cuh) ------------------------------------------------------- */
+
+/* A lane converts 16 channels at once: one 16-byte fp8 vector, 8 lanes to a 128-channel scale
+ * block, so a block's amax takes 3 shuffles and its scale one division per 16 channels. */
+#define EPXC_UNIT_CHANNELS 16
+#define EPXC_UNIT_SPAN (EPXC_UNIT_CHANNELS * EPXC_WARP) /* 512: channels a warp converts at once */
+/* A lane's ring of asynchronous copies: 128 bytes, 4 bf16 units or 2 float32 ones; 128 KB of
+ * loads in flight per 1024-thread block. */
+#define EPXC_RING_LANE_BYTES 128
+
 /* ---- waits ------------------------------------------------------------------------------ */
 
 #define EPXC_POLL_MASK 63           /* a wait checks the clock and the peer's error word every 64 spins */

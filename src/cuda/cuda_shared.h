@@ -243,6 +243,7 @@ typedef struct {
   int num_sms;
   int bulk_copies;   /* the device has the bulk-copy engine (sm_90 and later) and EPX_HT_PIPELINED is
                         not 0: see ht.cu */
+  int ring_threads;  /* threads of a block of the kernels on lanes' rings on this device (epxc_ring_threads) */
   int64_t recv_budget; /* this rank's receive budget in rows (expert layout), 0: none */
 } epxc_shape_t;
 
@@ -327,6 +328,9 @@ typedef struct {
 int epxc_preload_exchange(size_t *stack);
 int epxc_preload_layout(size_t *stack);
 int epxc_preload_ht(size_t *stack);
+/* Threads of a block of the kernels on lanes' rings (ring.cuh) on a device that gives a block at
+ * most optin_bytes of shared memory. */
+int epxc_ring_threads(int optin_bytes);
 int epxc_preload_a2a(size_t *stack);
 int epxc_preload_ll(size_t *stack);
 

@@ -6,62 +6,99 @@
  * Combine: each destination first reduces its rows of a token into one partial (expert
  * layout), then each source reads its tokens' rows back and sums them in rank order.
  *
- * Dispatch has two kernels, picked by one rule (ht_bulk_dispatch, at the end):
+ * Dispatch has three kernels, picked by one rule (ht_bulk_dispatch and ht_converts, at the end):
  *  - pipelined (bulk.cuh): rows move by bulk asynchronous copies through each warp's ring of
  *    shared-memory stages; a warp describes a bitmap word's 32 tokens at once, then streams
  *    them. Every dispatch whose rows arrive as they were sent (same type, no scaling).
- *  - per token (a warp per token, 16-byte vectors through registers): the dispatches that
- *    convert (fp8, quantised per 128 channels on the fly; scaled by the routing weight), and
- *    every dispatch on devices without the bulk-copy engine.
+ *  - converting (ring.cuh), a warp per token: the dispatches that convert (fp8, quantised per
+ *    128 channels on the fly; scaled by the routing weight), each row read through its lanes'
+ *    rings of asynchronous copies.
+ *  - per token, 16-byte vectors through registers: rows as they were sent, on devices without
+ *    the bulk-copy engine.
  * Combine goes a warp per token. */
 #include "cuda/bulk.cuh"
+#include "cuda/ring.cuh"
 
 /* ---- dispatch, a warp per token ----------------------------------------------------------- */
 
+/* Where token t of src_rank (which comes here) goes: lane j < the return value gets its
+ * destination row j (*dst), that row's fp8 scales (*dscale) and its factor (the routing
+ * weight, applied when the dispatch scales). Writes the token's routing (recv_topk_* in the
+ * token layout, recv_probs in the expert layout). */
+static __device__ __forceinline__ int token_dests(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
+                                                  const epxc_peer_t *src, int64_t t, const epxc_dispatch_t *a,
+                                                  void **dst, float **dscale, float *factor) {
+  const int K = s->topk, L = s->num_local, me = s->rank, H = s->hidden, lane = lane_id();
+  const bool fp8 = a->recv_dtype == EPX_FP8_E4M3;
+  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  *dst = NULL;
+  *dscale = NULL;
+  *factor = 1.0f;
+  if (!s->expert_layout) {
+    const int64_t W = src->words;
+    const int64_t n =
+        plan->tok_base[src_rank] + bit_rank(src->rank_bits + (int64_t)me * W, src->rank_pre + (int64_t)me * W, t);
+    if (lane == 0) {
+      *dst = row_at_mut(a->recv_x, a->recv_dtype, n, H);
+      *dscale = fp8 ? a->recv_scales + n * blocks : NULL;
+    }
+    if (lane < K) {
+      const int e = src->idx[t * K + lane];
+      const bool here = e >= 0 && e / L == me;
+      if (a->recv_topk_idx) a->recv_topk_idx[n * K + lane] = here ? e % L : -1;
+      if (a->recv_topk_weights) a->recv_topk_weights[n * K + lane] = here ? src->weight[t * K + lane] : 0.0f;
+    }
+    return 1;
+  }
+  int64_t row;
+  float w;
+  const int m = local_slot_lanes(s, plan, src_rank, src, t, &row, &w);
+  if (lane < m) {
+    *dst = row_at_mut(a->recv_x, a->recv_dtype, row, H);
+    *dscale = fp8 ? a->recv_scales + row * blocks : NULL;
+    *factor = w;
+    if (a->recv_probs) a->recv_probs[row] = w;
+  }
+  return m;
+}
+
+/* Every launch of the dispatch: nothing when the plan is void or the output too small;
+ * otherwise the counts, the expert layout's padding. False: nothing more to do. */
+static __device__ bool dispatch_begins(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan,
+                                       const epxc_dispatch_t *a) {
+  if (plan_void(g, plan) || !output_fits(s, g, plan, a)) return false;
+  write_counts(s, plan, a);
+  zero_padding(s, plan, a);
+  return true;
+}
+
+/* CONVERT: rows of X converted on the way, read through the lanes' rings (ring.cuh), launched
+ * with their shared memory. Otherwise rows as they were sent, 16-byte vectors through
+ * registers (devices without the bulk-copy engine; X does not matter). */
+template <epx_dtype_t X, bool CONVERT>
 static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_token_kernel(epxc_shape_t s, epxc_group_t g,
                                                                       const epxc_plan_t *plan, epxc_dispatch_t a) {
-  if (plan_void(&g, plan)) return;
-  const int K = s.topk, L = s.num_local, R = s.nranks, me = s.rank, H = s.hidden, lane = lane_id();
-  const bool fp8 = a.recv_dtype == EPX_FP8_E4M3;
-  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  const size_t recv_row_bytes = (size_t)H * dtype_bytes(a.recv_dtype);
-  if (!output_fits(&s, &g, plan, &a)) return;
-  write_counts(&s, plan, &a);
-  zero_padding(&s, plan, &a);
-
-  const bool raw = a.recv_dtype == a.x_dtype && !(a.scale_by_probs && s.expert_layout);
-  for (int src_rank = 0; src_rank < R; src_rank++) {
+  if (!dispatch_begins(&s, &g, plan, &a)) return;
+  const bool scaled = a.scale_by_probs && s.expert_layout;
+  const int64_t row_bytes = (int64_t)s.hidden * dtype_bytes(a.recv_dtype);
+  uint4 *ring = lane_ring();
+  for (int src_rank = 0; src_rank < s.nranks; src_rank++) {
     const epxc_peer_t *src = &plan->peer[src_rank];
     const void *x = peer_ptr(&g, src_rank, posted(&g, src_rank)->ht_dispatch.x);
-    const int64_t T = src->num_tokens, W = src->words;
-    const uint32_t *bits = src->rank_bits + (int64_t)me * W;
-    const int32_t *pre = src->rank_pre + (int64_t)me * W;
-    for (int64_t t = warp_global(); t < T; t += warp_count()) {
+    const uint32_t *bits = src->rank_bits + (int64_t)s.rank * src->words;
+    for (int64_t t = warp_global(); t < src->num_tokens; t += warp_count()) {
       if (!bit_set(bits, t)) continue;
-      const void *in = row_at(x, a.x_dtype, t, H);
-      void *dst[EPXC_MAX_TOPK];
-      float *dscale[EPXC_MAX_TOPK];
-      float factor[EPXC_MAX_TOPK];
-      int m;
-      if (!s.expert_layout) {
-        const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
-        m = 1;
-        dst[0] = row_at_mut(a.recv_x, a.recv_dtype, n, H);
-        dscale[0] = fp8 ? a.recv_scales + n * blocks : NULL;
-        factor[0] = 1.0f;
-        if (lane < K) {
-          int e = src->idx[t * K + lane];
-          bool here = e >= 0 && e / L == me;
-          if (a.recv_topk_idx) a.recv_topk_idx[n * K + lane] = here ? e % L : -1;
-          if (a.recv_topk_weights) a.recv_topk_weights[n * K + lane] = here ? src->weight[t * K + lane] : 0.0f;
-        }
+      void *dst;
+      float *dscale, factor;
+      const int m = token_dests(&s, plan, src_rank, src, t, &a, &dst, &dscale, &factor);
+      const void *in = row_at(x, CONVERT ? X : a.x_dtype, t, s.hidden);
+      if (CONVERT) {
+        convert_row_ring<X>(ring, in, a.recv_dtype, s.hidden, dst, dscale, factor, scaled, m);
       } else {
-        m = expert_rows(&s, plan, src_rank, src, t, &a, 0, dst, dscale, factor);
+        void *rows[EPXC_MAX_TOPK];
+        for (int j = 0; j < m; j++) rows[j] = lane_ptr(dst, j);
+        copy_row_raw(in, rows, m, row_bytes);
       }
-      if (raw)
-        copy_row_raw(in, dst, m, (int64_t)recv_row_bytes);
-      else
-        convert_row(in, a.x_dtype, a.recv_dtype, H, dst, dscale, factor, a.scale_by_probs && s.expert_layout, m);
     }
   }
 }
@@ -193,7 +230,8 @@ static __global__ void __launch_bounds__(EPXC_BULK_WARPS * EPXC_WARP) dispatch_b
 /* ---- combine, a warp per token ------------------------------------------------------------ */
 
 /* Expert layout, on the destination: partial[n] = round(sum over local experts ascending of
- * w * y[row]), one per arrived token. */
+ * w * y[row]), one per arrived token. (Reading its rows through the lanes' rings, ring.cuh,
+ * was measured at half this kernel's speed.) */
 static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epxc_shape_t s, epxc_group_t g,
                                                                             const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan) || plan->refused) return;
@@ -270,14 +308,28 @@ static combine_kernel_t reduce_token_of(epx_dtype_t y, epx_dtype_t out) {
 
 /* ---- launches --------------------------------------------------------------------------- */
 
+/* Rows change on the way (fp8, scaled by the routing weight): the per-token kernel converts
+ * them, its rings in dynamic shared memory. */
+static bool ht_converts(const epxc_shape_t *s, const epxc_dispatch_t *a) {
+  return a->recv_dtype != a->x_dtype || (a->scale_by_probs && s->expert_layout);
+}
+
 /* The rule. Dispatch: on devices with the bulk-copy engine (sm_90), rows that arrive as they
  * were sent move by bulk copies (every row is a multiple of 16 bytes: src/core refuses others);
- * rows converted on the way (fp8, scaled by the routing weight) go a warp per token. Combine:
- * a warp per token, its element types fixed at compile time (a staged, pipelined combine was
- * measured slower: bulk.cuh). */
+ * rows converted on the way go a warp per token. Combine: a warp per token, its element types
+ * fixed at compile time (a staged, pipelined combine was measured slower: bulk.cuh). */
 static bool ht_bulk_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
-  return s->bulk_copies && a->recv_dtype == a->x_dtype && !(a->scale_by_probs && s->expert_layout);
+  return s->bulk_copies && !ht_converts(s, a);
 }
+
+typedef void (*dispatch_kernel_t)(epxc_shape_t, epxc_group_t, const epxc_plan_t *, epxc_dispatch_t);
+static dispatch_kernel_t dispatch_convert_of(epx_dtype_t x) {
+  return x == EPX_FLOAT32 ? dispatch_token_kernel<EPX_FLOAT32, true> : dispatch_token_kernel<EPX_BFLOAT16, true>;
+}
+static const dispatch_kernel_t dispatch_raw = dispatch_token_kernel<EPX_BFLOAT16, false>;
+
+/* A launch on lanes' rings: each of its lanes' ring. */
+static size_t ring_launch_smem(const epxc_shape_t *s) { return (size_t)s->ring_threads * EPXC_RING_LANE_BYTES; }
 
 static_assert(sizeof(bulk_warp_t) * EPXC_BULK_WARPS <= EPXC_SMEM_MAX, "a pipelined block fits shared memory");
 
@@ -286,8 +338,10 @@ extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const
   cudaStream_t st = (cudaStream_t)stream;
   if (ht_bulk_dispatch(s, a))
     dispatch_bulk_kernel<<<s->num_sms, EPXC_BULK_WARPS * EPXC_WARP, bulk_smem_bytes(), st>>>(*s, *g, plan_dev, *a);
+  else if (ht_converts(s, a))
+    dispatch_convert_of(a->x_dtype)<<<s->num_sms, s->ring_threads, ring_launch_smem(s), st>>>(*s, *g, plan_dev, *a);
   else
-    dispatch_token_kernel<<<s->num_sms, EPXC_THREADS, 0, st>>>(*s, *g, plan_dev, *a);
+    dispatch_raw<<<s->num_sms, EPXC_THREADS, 0, st>>>(*s, *g, plan_dev, *a);
   return (int)cudaGetLastError();
 }
 
@@ -304,18 +358,27 @@ extern "C" int epxc_combine_reduce(const epxc_shape_t *s, const epxc_group_t *g,
 }
 
 /* Loads the kernels (on the current device); the pipelined one is allowed its shared memory
- * here, once per device, on the devices that run it (an sm_80 GPU has less to give). */
+ * here, once per device, on the devices that run it (an sm_80 GPU has less to give), and the
+ * kernels on lanes' rings their shared memory (epxc_ring_threads' lanes). */
 extern "C" int epxc_preload_ht(size_t *stack) {
-  int dev = 0, major = 0;
+  int dev = 0, major = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e == cudaSuccess && major >= 9)
     e = cudaFuncSetAttribute((const void *)dispatch_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)bulk_smem_bytes());
+  const void *const rings[] = {(const void *)dispatch_convert_of(EPX_FLOAT32),
+                               (const void *)dispatch_convert_of(EPX_BFLOAT16)};
+  for (size_t i = 0; e == cudaSuccess && i < sizeof rings / sizeof *rings; i++)
+    e = cudaFuncSetAttribute(rings[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             ring_threads(optin) * EPXC_RING_LANE_BYTES);
   if (e != cudaSuccess) return (int)e;
   const void *const kernels[] = {
       (const void *)dispatch_bulk_kernel,
-      (const void *)dispatch_token_kernel,
+      (const void *)dispatch_raw,
+      (const void *)dispatch_convert_of(EPX_FLOAT32),
+      (const void *)dispatch_convert_of(EPX_BFLOAT16),
       (const void *)partials_token_kernel,
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_FLOAT32),
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_BFLOAT16),
@@ -323,3 +386,5 @@ extern "C" int epxc_preload_ht(size_t *stack) {
       (const void *)reduce_token_of(EPX_BFLOAT16, EPX_BFLOAT16)};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }
+
+extern "C" int epxc_ring_threads(int optin_bytes) { return ring_threads(optin_bytes); }
