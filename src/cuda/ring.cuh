@@ -60,7 +60,8 @@ static __device__ __forceinline__ void ring_load(uint4 *ring, const void *row, i
   uint4 *slot = ring + (seq & (ring_of<X>::slots - 1)) * parts * EPXC_WARP;
 #pragma unroll
   for (int p = 0; p < parts; p++)
-    if (c + p * part_ch < hidden) lane_copy16(slot + p * EPXC_WARP, (const uint8_t *)row + (size_t)(c + p * part_ch) * xb);
+    if (c + p * part_ch < hidden)
+      lane_copy16(slot + p * EPXC_WARP, (const uint8_t *)row + (size_t)(c + p * part_ch) * xb);
 }
 
 /* Load `seq` (channel unit u), landed, widened to float32: 0 past the row's end. */
@@ -87,7 +88,9 @@ static __device__ __forceinline__ void ring_take(const uint4 *ring, int hidden, 
 
 /* ---- a unit's conversions ------------------------------------------------------------------- */
 
-static __device__ __forceinline__ float scaled_by(float x, float f, bool scaled) { return scaled ? __fmul_rn(f, x) : x; }
+static __device__ __forceinline__ float scaled_by(float x, float f, bool scaled) {
+  return scaled ? __fmul_rn(f, x) : x;
+}
 
 /* Four channels to e4m3, the first in the lowest byte. */
 static __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
@@ -145,8 +148,9 @@ static __device__ __forceinline__ void store_unit(void *row, int64_t c, int hidd
  * token's routing sits in local memory (see the top). Called by the whole warp; the ring is
  * this lane's, empty between rows. */
 template <epx_dtype_t X>
-static __device__ __forceinline__ void convert_row_ring(uint4 *ring, const void *src, epx_dtype_t recv_dtype, int hidden,
-                                                     void *dst, float *scales, float factor, bool scaled, int m) {
+static __device__ __forceinline__ void convert_row_ring(uint4 *ring, const void *src, epx_dtype_t recv_dtype,
+                                                        int hidden, void *dst, float *scales, float factor, bool scaled,
+                                                        int m) {
   constexpr int S = ring_of<X>::slots;
   const int lane = lane_id(), units = (hidden + EPXC_UNIT_SPAN - 1) / EPXC_UNIT_SPAN;
   const bool fp8 = recv_dtype == EPX_FP8_E4M3, lead = (lane & (EPXC_UNIT_BLOCK_LANES - 1)) == 0;
