@@ -51,25 +51,25 @@ static __device__ __forceinline__ uint4 *lane_ring(void) {
   return ring_smem + (threadIdx.x / EPXC_WARP) * (EPXC_RING_LANE_BYTES / 16) * EPXC_WARP + lane_id();
 }
 
-/* The lane's channel unit u of `row` (channels u * 512 + 16 lane on) as the ring's load number
- * `seq` (slot seq % slots); nothing past the row's end. */
+/* The lane's channel unit u of `row` (channels u * 512 + 16 lane on) into slot u % slots;
+ * nothing past the row's end. */
 template <epx_dtype_t X>
-static __device__ __forceinline__ void ring_load(uint4 *ring, const void *row, int hidden, int seq, int u) {
+static __device__ __forceinline__ void ring_load(uint4 *ring, const void *row, int hidden, int u) {
   constexpr int xb = EPXC_XB(X), parts = EPXC_PARTS(X), part_ch = EPXC_PART_CHANNELS(X);
   const int c = u * EPXC_UNIT_SPAN + lane_id() * EPXC_UNIT_CHANNELS;
-  uint4 *slot = ring + (seq & (ring_of<X>::slots - 1)) * parts * EPXC_WARP;
+  uint4 *slot = ring + (u & (ring_of<X>::slots - 1)) * parts * EPXC_WARP;
 #pragma unroll
   for (int p = 0; p < parts; p++)
     if (c + p * part_ch < hidden)
       lane_copy16(slot + p * EPXC_WARP, (const uint8_t *)row + (size_t)(c + p * part_ch) * xb);
 }
 
-/* Load `seq` (channel unit u), landed, widened to float32: 0 past the row's end. */
+/* Unit u, landed, widened to float32: 0 past the row's end. */
 template <epx_dtype_t X>
-static __device__ __forceinline__ void ring_take(const uint4 *ring, int hidden, int seq, int u, float *v) {
+static __device__ __forceinline__ void ring_take(const uint4 *ring, int hidden, int u, float *v) {
   constexpr int parts = EPXC_PARTS(X), part_ch = EPXC_PART_CHANNELS(X);
   const int c = u * EPXC_UNIT_SPAN + lane_id() * EPXC_UNIT_CHANNELS;
-  const uint4 *slot = ring + (seq & (ring_of<X>::slots - 1)) * parts * EPXC_WARP;
+  const uint4 *slot = ring + (u & (ring_of<X>::slots - 1)) * parts * EPXC_WARP;
 #pragma unroll
   for (int p = 0; p < parts; p++) {
     const uint4 q = c + p * part_ch < hidden ? slot[p * EPXC_WARP] : make_uint4(0, 0, 0, 0);
@@ -155,7 +155,7 @@ static __device__ __forceinline__ void convert_row_ring(uint4 *ring, const void 
   const int lane = lane_id(), units = (hidden + EPXC_UNIT_SPAN - 1) / EPXC_UNIT_SPAN;
   const bool fp8 = recv_dtype == EPX_FP8_E4M3, lead = (lane & (EPXC_UNIT_BLOCK_LANES - 1)) == 0;
   for (int u = 0; u < S; u++) { /* a group per slot, empty past the row: the waits count slots */
-    if (u < units) ring_load<X>(ring, src, hidden, u, u);
+    if (u < units) ring_load<X>(ring, src, hidden, u);
     lane_commit();
   }
   for (int u = 0; u < units; u++) {
@@ -163,7 +163,7 @@ static __device__ __forceinline__ void convert_row_ring(uint4 *ring, const void 
     const int64_t c = (int64_t)u * EPXC_UNIT_SPAN + lane * EPXC_UNIT_CHANNELS;
     const bool live = c < hidden;
     float v[EPXC_UNIT_CHANNELS];
-    ring_take<X>(ring, hidden, u, u, v);
+    ring_take<X>(ring, hidden, u, v);
     if (fp8) {
       uint4 q = make_uint4(0, 0, 0, 0);
       float scale = 0.0f;
@@ -180,7 +180,7 @@ static __device__ __forceinline__ void convert_row_ring(uint4 *ring, const void 
         store_unit<X>(lane_ptr(dst, j), c, hidden, v, __shfl_sync(0xffffffffu, factor, j), scaled);
     }
     /* into the slot just read: its values are used above, so the read is done */
-    if (u + S < units) ring_load<X>(ring, src, hidden, u + S, u + S);
+    if (u + S < units) ring_load<X>(ring, src, hidden, u + S);
     lane_commit();
   }
 }
