@@ -2,15 +2,16 @@
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
 #   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [sanitize] [compare]
-#   [megatron] [all]   (default all, which leaves out sanitize, compare and megatron; nvlink,
-#   scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs epx-bench's token
-#   and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of
-#   the nvlink shapes; sanitize runs compute-sanitizer memcheck over test_cuda_graph ht and ll
-#   and a subset of test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them);
-#   compare runs the bench shapes on another build, EPX_GPU_BUILD_BASE, and this one,
-#   alternating, and prints new / base per phase; megatron runs Megatron-core's MoELayer on
-#   epx's CUDA backend, installing megatron-core from the carried wheelhouse/ where this Python
-#   lacks it)
+#   [megatron] [profile] [all]   (default all, which leaves out sanitize, compare, megatron and
+#   profile; nvlink, scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs
+#   epx-bench's token and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL
+#   all-to-all baseline of the nvlink shapes; sanitize runs compute-sanitizer memcheck over
+#   test_cuda_graph ht and ll and a subset of test_cuda_match (EPX_SANITIZE_CASES, indices as
+#   test_cuda_match takes them); compare runs the bench shapes on another build,
+#   EPX_GPU_BUILD_BASE, and this one, alternating, and prints new / base per phase; megatron
+#   runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
+#   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
+#   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -177,6 +178,28 @@ for i in range(n):
         if b.get(ph + "_ms") and c.get(ph + "_ms"):
             print(f"{shape:44} {ph:9} {b[ph + '_ms']:9.4f} {c[ph + '_ms']:9.4f} {c[ph + '_ms'] / b[ph + '_ms']:8.3f}")
 PY
+fi
+# Nsight Compute over the high-throughput kernels and notify, one report each in $out/profile
+# with its source page (CSV) and tools/ncu_hotspots.py's summary of it. One rank: the profiler
+# runs kernels one at a time, and an emulated group's kernels wait on each other. Top-2 routing
+# with align 1 gives each token the rows per rank an 8-rank DeepSeek-V3 step gives (1.5-2), and
+# the kernels there run at the 8-rank step's speed per SM.
+if asked profile; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  pd="$out/profile"
+  mkdir -p "$pd"
+  shape="--ranks 1 --num-sms 2 --tokens 8192 --iters 2 --topk 2 --layout expert --align 1"
+  profiles=("fp8-dispatch|dispatch_token_kernel|$shape --dtype fp8" "bf16-dispatch|dispatch_bulk_kernel|$shape"
+            "partials|partials_token_kernel|$shape" "reduce|reduce_token_kernel|$shape"
+            "notify-32k|notify_kernel|--ranks 1 --tokens 32768 --iters 2")
+  for p in "${profiles[@]}"; do
+    IFS='|' read -r name kernel flags <<<"$p"
+    run "profile-$name" env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 300 ncu --set full --kernel-name "regex:$kernel" \
+      --launch-skip 1 --launch-count 1 -f -o "$pd/$name" "$build/epx-bench" --backend cuda $flags
+    ncu -i "$pd/$name.ncu-rep" --page source --csv --print-source sass >"$pd/$name.csv" 2>/dev/null &&
+      python3 tools/ncu_hotspots.py "$pd/$name.csv" >"$pd/$name-hotspots.txt" && head -4 "$pd/$name-hotspots.txt"
+    ncu -i "$pd/$name.ncu-rep" --page details >"$pd/$name-details.txt" 2>/dev/null
+  done
 fi
 # Megatron-core's own MoELayer with the flex dispatcher (deepep and hybridep) on epx's CUDA
 # backend against Megatron's alltoall, bf16, 8 layers in flight, every rank's process on the
