@@ -105,7 +105,8 @@ typedef enum {
   EPX_ERR_EXPERTS_NOT_DIVISIBLE, /* num_experts is not a multiple of the group size */
   EPX_ERR_TOPK_RANGE,         /* topk < 1 or > EPX_MAX_TOPK, or a routing map row with more than topk experts */
   EPX_ERR_HIDDEN_RANGE,       /* hidden < 1 or > EPX_MAX_HIDDEN */
-  EPX_ERR_ROW_ALIGNMENT,      /* a GPU-facing row (hidden * element size) is not a multiple of 16 bytes */
+  EPX_ERR_ROW_ALIGNMENT,      /* a GPU-facing row (hidden * element size) is not a multiple of 16 bytes,
+                                 or a buffer of such rows does not start at a 16-byte boundary */
   EPX_ERR_OUTPUT_TOO_SMALL,   /* an output's capacity is below what the operation must write */
   EPX_ERR_LL_OVERFLOW,        /* low-latency mode: more tokens than max_tokens_per_rank */
   EPX_ERR_CONFIG_MISMATCH,    /* ranks of one group passed different configs */

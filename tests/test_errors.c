@@ -18,6 +18,7 @@ typedef struct {
   int expert;                   /* expert layout buffers */
   int64_t cap[TU_MAX_RANKS];    /* recv_capacity (rows allocated: cap + 2) */
   int null_x_rank, null_recv_rank;
+  int shift_x_rank, shift_recv_rank; /* this rank's x / recv_x start 8 bytes into their buffers */
   size_t rb;
   void *recv_x[TU_MAX_RANKS];
   int32_t *recv_idx[TU_MAX_RANKS];
@@ -38,16 +39,19 @@ static epx_status_t call_rank(int r, void *arg) {
   c->recv_w[r] = tu_alloc_poison(sizeof(float) * (size_t)(rows * m->K));
   c->recv_p[r] = tu_alloc_poison(sizeof(float) * (size_t)rows);
   epx_routing_t rt = tu_routing(m, r, c->form);
+  const size_t x_bytes = (size_t)m->T[r] * m->H * dsize(m->x_dtype);
+  char *x_shifted = c->shift_x_rank == r ? malloc(x_bytes + 16) : NULL;
+  if (x_shifted) memcpy(x_shifted + 8, m->x[r], x_bytes);
   const double t0 = tu_now();
   if (c->op == OP_NOTIFY) {
     c->st[r] = epx_notify(c->w->comm[r], c->h[r], &rt);
   } else {
     epx_dispatch_args_t a;
     epx_dispatch_args_init(&a);
-    a.x = c->null_x_rank == r ? NULL : m->x[r];
+    a.x = c->null_x_rank == r ? NULL : x_shifted ? (const void *)(x_shifted + 8) : m->x[r];
     a.x_dtype = m->x_dtype;
     a.recv_dtype = c->recv_dtype;
-    a.recv_x = c->null_recv_rank == r ? NULL : c->recv_x[r];
+    a.recv_x = c->null_recv_rank == r ? NULL : (char *)c->recv_x[r] + (c->shift_recv_rank == r ? 8 : 0);
     a.recv_capacity = c->cap[r];
     if (c->expert)
       a.recv_probs = c->recv_p[r];
@@ -56,6 +60,7 @@ static epx_status_t call_rank(int r, void *arg) {
     c->st[r] = epx_dispatch(c->w->comm[r], c->h[r], &rt, &a);
   }
   c->secs[r] = tu_now() - t0;
+  free(x_shifted);
   snprintf(c->err[r], sizeof c->err[r], "%s", c->st[r] != EPX_SUCCESS ? epx_last_error() : "");
   return c->st[r];
 }
@@ -63,7 +68,7 @@ static epx_status_t call_rank(int r, void *arg) {
 static void call_init(call_t *c, tu_world_t *w, epx_handle_t **h, const tu_moe_t *m, int op) {
   memset(c, 0, sizeof *c);
   c->w = w, c->h = h, c->m = m, c->op = op, c->form = TU_FORM_TOPK32, c->recv_dtype = m->x_dtype;
-  c->null_x_rank = c->null_recv_rank = -1;
+  c->null_x_rank = c->null_recv_rank = c->shift_x_rank = c->shift_recv_rank = -1;
   int64_t total = 0;
   for (int r = 0; r < m->R; r++) total += m->T[r] * m->K;
   for (int r = 0; r < m->R; r++) c->cap[r] = total + 256; /* room for any plan, padding included */
@@ -279,6 +284,31 @@ static void row_alignment(void) {
     call_init(&c, &s.w, s.h, &m, OP_DISPATCH);
     call_run(&c);
     for (int r = 0; r < 2; r++) CHECK_STATUS(c.st[r], EPX_SUCCESS, "f32 H=12: rank %d (%s)", r, c.err[r]);
+    call_free(&c);
+    tu_moe_free(&m);
+  }
+  teardown(&s);
+  /* Whole rows, but one rank's x or recv_x starts 8 bytes off a 16-byte boundary: refused on
+     every rank, nothing written. */
+  setup(&s, 3, 6, 16, 2, 64, EPX_ALGO_HT, EPX_LAYOUT_TOKEN, 1);
+  for (int which = 0; s.ok && which < 2; which++) {
+    int64_t T[3] = {tu_int(&tu_rng, 1, 9), tu_int(&tu_rng, 1, 9), tu_int(&tu_rng, 1, 9)};
+    tu_route_opts_t o = tu_route_default();
+    tu_moe_t m;
+    tu_moe_random(&m, &tu_rng, 3, 6, 16, 2, EPX_BFLOAT16, T, &o, 1);
+    call_t c;
+    call_init(&c, &s.w, s.h, &m, OP_DISPATCH);
+    const int odd = tu_int(&tu_rng, 0, 2);
+    const char *what = which ? "recv_x" : "x";
+    if (which) c.shift_recv_rank = odd; else c.shift_x_rank = odd;
+    call_run(&c);
+    for (int r = 0; r < 3; r++) {
+      CHECK_STATUS(c.st[r], EPX_ERR_ROW_ALIGNMENT, "rank %d's %s 8 bytes off: rank %d", odd, what, r);
+      CHECK(call_untouched(&c, r), "rank %d's %s 8 bytes off: rank %d's buffers were written", odd, what, r);
+    }
+    CHECK(tu_contains(c.err[odd], what) && tu_contains(c.err[odd], "16-byte boundary"),
+          "rank %d's message names %s and the boundary: \"%s\"", odd, what, c.err[odd]);
+    printf("  %s 8 bytes off on rank %d: \"%s\"\n", what, odd, c.err[odd]);
     call_free(&c);
     tu_moe_free(&m);
   }

@@ -765,9 +765,14 @@ epx_status_t epxi_check_row(epx_dtype_t dtype, int hidden, const char *what) {
   return EPX_SUCCESS;
 }
 
-static epx_status_t check_row_for(const epx_comm_t *comm, epx_dtype_t dtype, const char *what) {
+/* ... and they must start at a 16-byte boundary: the kernels read and write them as 16-byte
+ * vectors and bulk copies, which fault (and stop the device) at any other address. */
+static epx_status_t check_rows_for(const epx_comm_t *comm, epx_dtype_t dtype, const void *rows, const char *what) {
   if (dtype == EPX_FLOAT32 && comm->world->backend == EPX_BACKEND_HOST) return EPX_SUCCESS;
-  return epxi_check_row(dtype, comm->cfg.hidden, what);
+  EPX_CHECK(epxi_check_row(dtype, comm->cfg.hidden, what));
+  if ((uintptr_t)rows % 16)
+    return epxi_fail(EPX_ERR_ROW_ALIGNMENT, "%s: its rows start at %p, not at a 16-byte boundary", what, rows);
+  return EPX_SUCCESS;
 }
 
 static bool is_float_type(epx_dtype_t t) { return t == EPX_FLOAT32 || t == EPX_BFLOAT16; }
@@ -788,8 +793,8 @@ static epx_status_t check_dispatch_args(const epx_comm_t *comm, const epx_dispat
   if (args->recv_dtype != args->x_dtype && args->recv_dtype != EPX_FP8_E4M3)
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "dispatch recv_dtype must be x_dtype (%s) or fp8_e4m3, not %s",
                      epx_dtype_name(args->x_dtype), epx_dtype_name(args->recv_dtype));
-  EPX_CHECK(check_row_for(comm, args->x_dtype, "dispatch x"));
-  EPX_CHECK(check_row_for(comm, args->recv_dtype, "dispatch recv_x"));
+  EPX_CHECK(check_rows_for(comm, args->x_dtype, args->x, "dispatch x"));
+  EPX_CHECK(check_rows_for(comm, args->recv_dtype, args->recv_x, "dispatch recv_x"));
   if (!args->recv_x) return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: recv_x is NULL");
   if (args->recv_dtype == EPX_FP8_E4M3 && !args->recv_scales)
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_dispatch: fp8 needs recv_scales");
@@ -862,8 +867,8 @@ static epx_status_t check_combine_args(const epx_comm_t *comm, const epx_combine
   if (!is_float_type(args->y_dtype) || !is_float_type(args->out_dtype))
     return epxi_fail(EPX_ERR_INVALID_ARGUMENT, "combine y_dtype and out_dtype must be float32 or bfloat16 (got %s, %s)",
                      epx_dtype_name(args->y_dtype), epx_dtype_name(args->out_dtype));
-  EPX_CHECK(check_row_for(comm, args->y_dtype, "combine y"));
-  EPX_CHECK(check_row_for(comm, args->out_dtype, "combine out"));
+  EPX_CHECK(check_rows_for(comm, args->y_dtype, args->y, "combine y"));
+  EPX_CHECK(check_rows_for(comm, args->out_dtype, args->out, "combine out"));
   if (!args->row_weight_grad != !args->topk_weight_grad)
     return epxi_fail(EPX_ERR_NULL_POINTER, "epx_combine: row_weight_grad and topk_weight_grad go together");
   if (args->part < EPX_PART_ALL || args->part > EPX_PART_COMPLETE)
