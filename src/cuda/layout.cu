@@ -104,22 +104,34 @@ static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, cons
 
 /* A pass's `ncols` words of every row, from its columns in shared memory (cols[j * rows + row]
  * holds word w0 + j): the bits, and the prefix popcounts counted from this ticket's first
- * word (carry[row], advanced). */
+ * word (carry[row], advanced). A half-warp a row, a lane a word: a row's words go out as one
+ * run of 64 bytes, not as 16 stores each to a different row (which cost the store pipe a
+ * sector per lane), and their prefix is a scan across the 16 lanes. */
+#define EPXC_PASS_LANES 16
+static_assert(EPXC_NOTIFY_THREADS / EPXC_WARP <= EPXC_PASS_LANES, "a pass's words are a half-warp's lanes");
 static __device__ void store_pass(const epxc_shape_t *s, epxc_plan_t *plan, const uint32_t *cols, int64_t w0,
                                   int ncols, int32_t *carry) {
-  const int R = s->nranks, rows = R + s->num_experts;
+  const int R = s->nranks, rows = R + s->num_experts, j = lane_id() % EPXC_PASS_LANES;
+  const int half = threadIdx.x / EPXC_PASS_LANES, halves = blockDim.x / EPXC_PASS_LANES;
   const int64_t W = plan->words;
-  for (int row = threadIdx.x; row < rows; row += blockDim.x) {
-    uint32_t *bits = plan_bits_row(plan, R, W, row);
-    int32_t *pre = plan_pre_row(plan, R, W, row);
-    int32_t c = carry[row];
-    for (int j = 0; j < ncols; j++) {
-      const uint32_t word = cols[j * rows + row];
-      bits[w0 + j] = word;
-      pre[w0 + j] = c;
-      c += __popc(word);
+  for (int first = 0; first < rows; first += halves) { /* the same trips in every lane: shuffles below */
+    const int row = first + half;
+    const bool live = row < rows && j < ncols;
+    const uint32_t word = live ? cols[j * rows + row] : 0u;
+    int32_t upto = __popc(word); /* this lane's word and the ones before it in the row */
+#pragma unroll
+    for (int o = 1; o < EPXC_PASS_LANES; o <<= 1) {
+      const int32_t u = __shfl_up_sync(0xffffffffu, upto, o, EPXC_PASS_LANES);
+      if (j >= o) upto += u;
     }
-    carry[row] = c;
+    const int32_t total = __shfl_sync(0xffffffffu, upto, EPXC_PASS_LANES - 1, EPXC_PASS_LANES);
+    const int32_t c = row < rows ? carry[row] : 0;
+    if (live) {
+      plan_bits_row(plan, R, W, row)[w0 + j] = word;
+      plan_pre_row(plan, R, W, row)[w0 + j] = c + upto - __popc(word);
+    }
+    __syncwarp(); /* the row's lanes have read carry[row] */
+    if (row < rows && j == 0) carry[row] = c + total;
   }
 }
 
