@@ -331,6 +331,9 @@ int epxc_preload_ht(size_t *stack);
 /* Threads of a block of the kernels on lanes' rings (ring.cuh) on a device that gives a block at
  * most optin_bytes of shared memory. */
 int epxc_ring_threads(int optin_bytes);
+/* Shared memory a block of the bulk-copy kernels takes: a device that gives a block less runs
+ * the others (epxc_shape_t.bulk_copies off). */
+size_t epxc_bulk_smem_need(void);
 int epxc_preload_a2a(size_t *stack);
 int epxc_preload_ll(size_t *stack);
 

@@ -6,18 +6,22 @@
  * Combine: each destination first reduces its rows of a token into one partial (expert
  * layout), then each source reads its tokens' rows back and sums them in rank order.
  *
- * Dispatch has three kernels, picked by one rule (ht_bulk_dispatch and ht_converts, at the end):
+ * Dispatch has four kernels, picked by one rule (ht_bulk_dispatch, ht_staged and ht_converts, at the end):
  *  - pipelined (bulk.cuh): rows move by bulk asynchronous copies through each warp's ring of
  *    shared-memory stages; a warp describes a bitmap word's 32 tokens at once, then streams
  *    them. Every dispatch whose rows arrive as they were sent (same type, no scaling).
- *  - converting (ring.cuh), a warp per token: the dispatches that convert (fp8, quantised per
- *    128 channels on the fly; scaled by the routing weight), each row read through its lanes'
- *    rings of asynchronous copies.
+ *  - staged fp8 (staged.cuh), a warp per token: bf16 rows quantised to fp8 from chunks the
+ *    copy engine brings into the warp's stages, written out by bulk copies to every row of
+ *    the token (ht_staged says where: sm_90, not scaled, rows of more than 1024 channels).
+ *  - converting (ring.cuh), a warp per token: the other dispatches that convert (fp8, quantised
+ *    per 128 channels on the fly; scaled by the routing weight), each row read through its
+ *    lanes' rings of asynchronous copies.
  *  - per token, 16-byte vectors through registers: rows as they were sent, on devices without
  *    the bulk-copy engine.
  * Combine goes a warp per token. */
 #include "cuda/bulk.cuh"
 #include "cuda/ring.cuh"
+#include "cuda/staged.cuh"
 
 /* ---- dispatch, a warp per token ----------------------------------------------------------- */
 
@@ -101,6 +105,69 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_token_kernel(epx
       }
     }
   }
+}
+
+/* ---- dispatch, staged fp8 ----------------------------------------------------------------- */
+
+/* A token of a source for this rank. */
+typedef struct {
+  int src_rank;
+  int64_t t;
+} token_at_t;
+
+/* The warp's next token for this rank after *at (its first when at->src_rank < 0), in the
+ * per-token kernels' order: false past its last. */
+static __device__ bool next_token_here(const epxc_shape_t *s, const epxc_plan_t *plan, token_at_t *at) {
+  int64_t t = at->src_rank < 0 ? warp_global() : at->t + warp_count();
+  for (int r = at->src_rank < 0 ? 0 : at->src_rank; r < s->nranks; r++, t = warp_global()) {
+    const epxc_peer_t *src = &plan->peer[r];
+    const uint32_t *bits = src->rank_bits + (int64_t)s->rank * src->words;
+    for (; t < src->num_tokens; t += warp_count())
+      if (bit_set(bits, t)) {
+        at->src_rank = r, at->t = t;
+        return true;
+      }
+  }
+  return false;
+}
+
+static __device__ staged_row_t staged_row_of(const epxc_shape_t *s, const epxc_group_t *g, const token_at_t *at,
+                                             bool any) {
+  const int chunks = (s->hidden + EPXC_STAGED_CHUNK - 1) / EPXC_STAGED_CHUNK;
+  if (!any) return (staged_row_t){NULL, 0, 0};
+  const void *x = peer_ptr(g, at->src_rank, posted(g, at->src_rank)->ht_dispatch.x);
+  return (staged_row_t){(const uint16_t *)row_at(x, EPX_BFLOAT16, at->t, s->hidden), chunks, 0};
+}
+
+/* bf16 rows quantised to fp8 through the warps' stages (staged.cuh), a warp per token as in
+ * the per-token kernels: while a token's last chunks are quantised, the next one's first are
+ * already loading, and its destinations are looked up while its own first chunk lands. */
+static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_staged_kernel(epxc_shape_t s, epxc_group_t g,
+                                                                       const epxc_plan_t *plan, epxc_dispatch_t a) {
+  /* lane 0's answer for the warp: lanes that parted here would wait on barriers lane 0 arms */
+  if (!__shfl_sync(0xffffffffu, (int)dispatch_begins(&s, &g, plan, &a), 0)) return;
+  staged_warp_t *w = staged_warp_setup();
+  staged_ring_t ring = {0, 0};
+  const bool lead = lane_id() == 0;
+  token_at_t cur = {-1, 0};
+  bool more = next_token_here(&s, plan, &cur);
+  staged_row_t row = staged_row_of(&s, &g, &cur, more);
+  if (lead) staged_load_ahead(w, &ring, &row, NULL, s.hidden);
+  while (more) {
+    token_at_t at = cur;
+    const bool then = next_token_here(&s, plan, &at);
+    staged_row_t next = staged_row_of(&s, &g, &at, then);
+    void *dst;
+    float *dscale, factor;
+    const int m = token_dests(&s, plan, cur.src_rank, &plan->peer[cur.src_rank], cur.t, &a, &dst, &dscale, &factor);
+    staged_set_dests(w, m, dst, dscale);
+    for (int k = 0; k < row.chunks; k++) {
+      staged_convert_next(w, &ring, s.hidden, k, m);
+      if (lead) staged_load_ahead(w, &ring, &row, &next, s.hidden);
+    }
+    cur = at, more = then, row = next;
+  }
+  bulk_copy_finish();
 }
 
 /* ---- dispatch, pipelined: where a batch's rows come from and go ------------------------- */
@@ -322,6 +389,14 @@ static bool ht_bulk_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
   return s->bulk_copies && !ht_converts(s, a);
 }
 
+/* fp8 from bf16 goes staged where its bulk copies pay: the copy engine, no factor per
+ * destination, and rows of more than one chunk (a row of one keeps a single chunk in flight
+ * per warp: the loads look one token ahead). Elsewhere the lanes' rings convert. */
+static bool ht_staged(const epxc_shape_t *s, const epxc_dispatch_t *a) {
+  return s->bulk_copies && a->x_dtype == EPX_BFLOAT16 && a->recv_dtype == EPX_FP8_E4M3 &&
+         !(a->scale_by_probs && s->expert_layout) && s->hidden > EPXC_STAGED_CHUNK;
+}
+
 typedef void (*dispatch_kernel_t)(epxc_shape_t, epxc_group_t, const epxc_plan_t *, epxc_dispatch_t);
 static dispatch_kernel_t dispatch_convert_of(epx_dtype_t x) {
   return x == EPX_FLOAT32 ? dispatch_token_kernel<EPX_FLOAT32, true> : dispatch_token_kernel<EPX_BFLOAT16, true>;
@@ -332,12 +407,15 @@ static const dispatch_kernel_t dispatch_raw = dispatch_token_kernel<EPX_BFLOAT16
 static size_t ring_launch_smem(const epxc_shape_t *s) { return (size_t)s->ring_threads * EPXC_RING_LANE_BYTES; }
 
 static_assert(sizeof(bulk_warp_t) * EPXC_BULK_WARPS <= EPXC_SMEM_MAX, "a pipelined block fits shared memory");
+static_assert(sizeof(staged_warp_t) * EPXC_WARPS <= EPXC_SMEM_MAX, "a staged block fits shared memory");
 
 extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                              const epxc_dispatch_t *a, void *stream) {
   cudaStream_t st = (cudaStream_t)stream;
   if (ht_bulk_dispatch(s, a))
     dispatch_bulk_kernel<<<s->num_sms, EPXC_BULK_WARPS * EPXC_WARP, bulk_smem_bytes(), st>>>(*s, *g, plan_dev, *a);
+  else if (ht_staged(s, a))
+    dispatch_staged_kernel<<<s->num_sms, EPXC_THREADS, staged_smem_bytes(), st>>>(*s, *g, plan_dev, *a);
   else if (ht_converts(s, a))
     dispatch_convert_of(a->x_dtype)<<<s->num_sms, s->ring_threads, ring_launch_smem(s), st>>>(*s, *g, plan_dev, *a);
   else
@@ -365,9 +443,13 @@ extern "C" int epxc_preload_ht(size_t *stack) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess && major >= 9)
+  const bool bulk = major >= 9 && (size_t)optin >= epxc_bulk_smem_need(); /* as epxc_shape_t.bulk_copies */
+  if (e == cudaSuccess && bulk)
     e = cudaFuncSetAttribute((const void *)dispatch_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)bulk_smem_bytes());
+  if (e == cudaSuccess && bulk)
+    e = cudaFuncSetAttribute((const void *)dispatch_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)staged_smem_bytes());
   const void *const rings[] = {(const void *)dispatch_convert_of(EPX_FLOAT32),
                                (const void *)dispatch_convert_of(EPX_BFLOAT16)};
   for (size_t i = 0; e == cudaSuccess && i < sizeof rings / sizeof *rings; i++)
@@ -376,6 +458,7 @@ extern "C" int epxc_preload_ht(size_t *stack) {
   if (e != cudaSuccess) return (int)e;
   const void *const kernels[] = {
       (const void *)dispatch_bulk_kernel,
+      (const void *)dispatch_staged_kernel,
       (const void *)dispatch_raw,
       (const void *)dispatch_convert_of(EPX_FLOAT32),
       (const void *)dispatch_convert_of(EPX_BFLOAT16),
@@ -388,3 +471,7 @@ extern "C" int epxc_preload_ht(size_t *stack) {
 }
 
 extern "C" int epxc_ring_threads(int optin_bytes) { return ring_threads(optin_bytes); }
+
+extern "C" size_t epxc_bulk_smem_need(void) {
+  return bulk_smem_bytes() > staged_smem_bytes() ? bulk_smem_bytes() : staged_smem_bytes();
+}

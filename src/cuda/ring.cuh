@@ -94,13 +94,6 @@ static __device__ __forceinline__ float scaled_by(float x, float f, bool scaled)
   return scaled ? __fmul_rn(f, x) : x;
 }
 
-/* Four channels to e4m3, the first in the lowest byte. */
-static __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return lo | hi << 16;
-}
-
 /* The lane's 16 channels v (times f when scaled), quantised with their block's scale: the
  * block's amax over its 8 lanes, floored, mapped to e4m3's largest value. *scale is the
  * block's dequantisation scale (the same on its 8 lanes). Called by the whole warp. */

@@ -210,7 +210,8 @@ epx_status_t cuda_comm_init(epx_comm_t *c) {
   cc->shape = (epxc_shape_t){.nranks = c->nranks, .rank = c->rank, .num_experts = c->cfg.num_experts,
                              .num_local = c->num_local_experts, .topk = c->cfg.topk, .hidden = c->cfg.hidden,
                              .align = 1, .max_tokens = c->cfg.max_tokens_per_rank, .num_sms = c->cfg.num_sms,
-                             .bulk_copies = prop.major >= 9 && epxi_env()->ht_pipelined,
+                             .bulk_copies = prop.major >= 9 && epxi_env()->ht_pipelined &&
+                                            prop.sharedMemPerBlockOptin >= epxc_bulk_smem_need(),
                              .ring_threads = epxc_ring_threads((int)prop.sharedMemPerBlockOptin)};
   c->impl = cc;
   return EPX_SUCCESS;

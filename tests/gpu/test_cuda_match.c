@@ -119,14 +119,38 @@ static const struct {
     {{8, 256, 8, 2048, 512, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM, 16},
 };
 
+/* The staged fp8 dispatch (bf16 rows of more than 1024 channels), after the decode steps:
+ * rows that end half way into a chunk (2560 and 1536 channels) or inside a scale block (2000),
+ * special values in its amax, every token on one expert with one token on some ranks; and rows
+ * of 1024, which go through the lanes' rings instead. */
+static const struct {
+  gu_row_t row;
+  gu_route_t route;
+  int specials;
+} staged[] = {
+    {{4, 32, 4, 2560, 300, HT, EXP, 16, BF, FP8, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_RANDOM, 0},
+    {{2, 16, 2, 1536, 1000, HT, TOK, 1, BF, FP8, TU_FORM_TOPK64, 0, 1}, GU_ROUTE_ONE_RANK, 100},
+    {{8, 64, 8, 7168, 1, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_ONE_EXPERT, 0},
+    {{4, 32, 4, 2000, 200, HT, EXP, 16, BF, FP8, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 200},
+    {{4, 64, 2, 1024, 333, HT, EXP, 16, BF, FP8, TU_FORM_TOPK64, 1, 1}, GU_ROUTE_RANDOM, 0},
+};
+
 #define NTABLE ((int)(sizeof cases / sizeof *cases))
 #define NSKEWED ((int)(sizeof skewed / sizeof *skewed))
 #define NSPECIAL ((int)(sizeof special / sizeof *special))
 #define NBUDGETED ((int)(sizeof budgeted / sizeof *budgeted))
-#define NCASES (NTABLE + NSKEWED + NSPECIAL + NBUDGETED + (int)(sizeof decode / sizeof *decode))
+#define NDECODE ((int)(sizeof decode / sizeof *decode))
+#define NCASES (NTABLE + NSKEWED + NSPECIAL + NBUDGETED + NDECODE + (int)(sizeof staged / sizeof *staged))
 
 static gu_case_t case_of(int i) {
   if (i < NTABLE) return gu_case_of(&cases[i], 16);
+  if (i >= NTABLE + NSKEWED + NSPECIAL + NBUDGETED + NDECODE) {
+    const int k = i - NTABLE - NSKEWED - NSPECIAL - NBUDGETED - NDECODE;
+    gu_case_t c = gu_case_of(&staged[k].row, 16);
+    c.route = staged[k].route;
+    c.specials = staged[k].specials;
+    return c;
+  }
   if (i >= NTABLE + NSKEWED + NSPECIAL + NBUDGETED) {
     const int d = i - NTABLE - NSKEWED - NSPECIAL - NBUDGETED;
     gu_case_t c = gu_case_of(&decode[d].row, decode[d].num_sms);
