@@ -67,12 +67,14 @@ static __device__ __forceinline__ uint32_t lane_amax_bf16(const uint32_t *w) {
   return bits;
 }
 
-/* Sub-units q and q + 1 of a chunk, of which `valid` channels are in the row: each lane's 8
+/* Sub-units q and q + 1 of a chunk, of which `valid` channels are in the row (FULL: all of
+ * it, as in every chunk but a row's last, and no channel is checked): each lane's 8
  * channels of each quantised with their block's scale into out. Returns what this lane's
  * division gave: lanes agree within a block, so each lane divides once for the four numbers a
  * 16-lane group needs (bit 3 of the lane: sub-unit q or q + 1; bit 2: the quantising factor
  * 448 / a or the scale a / 448) and shuffles the factors back; lanes 4 and 12 of each group
  * keep the scales (staged_store_scales). Called by the whole warp. */
+template <bool FULL>
 static __device__ __forceinline__ float quantise_pair(const uint16_t *in, uint8_t *out, int q, int valid) {
   const int lane = lane_id();
   uint32_t w[2][4];
@@ -80,7 +82,7 @@ static __device__ __forceinline__ float quantise_pair(const uint16_t *in, uint8_
 #pragma unroll
   for (int p = 0; p < 2; p++) {
     const int c = (q + p) * EPXC_STAGED_SUB + EPXC_LANE_CHANNELS * lane;
-    const uint4 v = c < valid ? *(const uint4 *)(in + c) : make_uint4(0, 0, 0, 0);
+    const uint4 v = FULL || c < valid ? *(const uint4 *)(in + c) : make_uint4(0, 0, 0, 0);
     w[p][0] = v.x, w[p][1] = v.y, w[p][2] = v.z, w[p][3] = v.w;
     packed |= lane_amax_bf16(w[p]) << (16 * p);
   }
@@ -110,7 +112,7 @@ static __device__ __forceinline__ float quantise_pair(const uint16_t *in, uint8_
       x[2 * i] = __fmul_rn(__uint_as_float(w[p][i] << 16), sc);
       x[2 * i + 1] = __fmul_rn(__uint_as_float(w[p][i] & 0xffff0000u), sc);
     }
-    if (c < valid) *(uint2 *)(out + c) = make_uint2(e4m3x4(x[0], x[1], x[2], x[3]), e4m3x4(x[4], x[5], x[6], x[7]));
+    if (FULL || c < valid) *(uint2 *)(out + c) = make_uint2(e4m3x4(x[0], x[1], x[2], x[3]), e4m3x4(x[4], x[5], x[6], x[7]));
   }
   return r;
 }
@@ -196,10 +198,14 @@ static __device__ __forceinline__ void staged_convert_next(staged_warp_t *w, sta
   __syncwarp();
   mbar_wait(&w->full[s], (r->converted / EPXC_STAGED_IN) & 1);
   if (m > 0) {
-    float r[EPXC_STAGED_PAIRS];
+    float held[EPXC_STAGED_PAIRS];
+    if (valid == EPXC_STAGED_CHUNK)
 #pragma unroll
-    for (int P = 0; P < EPXC_STAGED_PAIRS; P++) r[P] = quantise_pair(w->in[s], w->out[o], 2 * P, valid);
-    staged_store_scales(w, r, k, valid, m);
+      for (int P = 0; P < EPXC_STAGED_PAIRS; P++) held[P] = quantise_pair<true>(w->in[s], w->out[o], 2 * P, valid);
+    else
+#pragma unroll
+      for (int P = 0; P < EPXC_STAGED_PAIRS; P++) held[P] = quantise_pair<false>(w->in[s], w->out[o], 2 * P, valid);
+    staged_store_scales(w, held, k, valid, m);
   }
   fence_async_smem(); /* this lane's reads of in[s] and writes of out[o], before the copy engine's */
   __syncwarp();
