@@ -189,7 +189,7 @@ if asked profile; then
   pd="$out/profile"
   mkdir -p "$pd"
   shape="--ranks 1 --num-sms 2 --tokens 8192 --iters 2 --topk 2 --layout expert --align 1"
-  profiles=("fp8-dispatch|dispatch_token_kernel|$shape --dtype fp8" "bf16-dispatch|dispatch_bulk_kernel|$shape"
+  profiles=("fp8-dispatch|dispatch_staged_kernel|$shape --dtype fp8" "bf16-dispatch|dispatch_bulk_kernel|$shape"
             "partials|partials_token_kernel|$shape" "reduce|reduce_token_kernel|$shape"
             "notify-32k|notify_kernel|--ranks 1 --tokens 32768 --iters 2")
   for p in "${profiles[@]}"; do
