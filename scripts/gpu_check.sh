@@ -59,7 +59,7 @@ if want tests; then
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
   run test_cuda_graph_ll_1000 timeout 300 "$build/tests/gpu/test_cuda_graph" ll 1000
-  run test_cuda_match timeout 240 "$build/tests/gpu/test_cuda_match"
+  run test_cuda_match timeout 420 "$build/tests/gpu/test_cuda_match"
   # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend; with
   # several GPUs also every process on the first one (the driver time-slices their contexts)
   run test_cuda_mp timeout 240 "$build/tests/gpu/test_cuda_mp"
