@@ -47,17 +47,22 @@ static const gu_row_t cases[] = {
     {2, 8, 8, 2048, 100, A2A, TOK, 1, F32, F32, TU_FORM_MAP, 0, 0},
 };
 
-/* Skews and sizes for the pipelines, after the table so its cases keep their indices (and
- * their inputs: case i draws from stream i of the seed). */
-static const struct {
+/* A case of the tables after the first: its row and what it sets beyond it (left 0: random
+ * routing, no special values, no budget, 16 SMs). */
+typedef struct {
   gu_row_t row;
   gu_route_t route;
-} skewed[] = {
-    {{8, 256, 8, 7168, 1024, HT, EXP, 128, BF, BF, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_ONE_EXPERT},
-    {{8, 256, 8, 5120, 1024, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_ONE_RANK},
-    {{4, 64, 8, 7168, 512, HT, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_ONE_RANK},
-    {{4, 64, 2, 5120, 700, HT, EXP, 16, BF, BF, TU_FORM_MAP, 1, 1}, GU_ROUTE_ONE_EXPERT},
-    {{2, 16, 2, 2048, 32768, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM},
+  int specials, budget, num_sms;
+} extra_t;
+
+/* Skews and sizes for the pipelines, after the table so its cases keep their indices (and
+ * their inputs: case i draws from stream i of the seed). */
+static const extra_t skewed[] = {
+    {{8, 256, 8, 7168, 1024, HT, EXP, 128, BF, BF, TU_FORM_TOPK32, 1, 0}, .route = GU_ROUTE_ONE_EXPERT},
+    {{8, 256, 8, 5120, 1024, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .route = GU_ROUTE_ONE_RANK},
+    {{4, 64, 8, 7168, 512, HT, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 0}, .route = GU_ROUTE_ONE_RANK},
+    {{4, 64, 2, 5120, 700, HT, EXP, 16, BF, BF, TU_FORM_MAP, 1, 1}, .route = GU_ROUTE_ONE_EXPERT},
+    {{2, 16, 2, 2048, 32768, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, .route = GU_ROUTE_RANDOM},
 };
 
 /* Special values (docs/design.md, "Arithmetic, exactly": NaN), after the skewed cases for the
@@ -68,21 +73,18 @@ static const struct {
  * must meet NaN and infinities in its amax as the host's does. Every algorithm and layout, both
  * element types, fp8 (rows of 2880 end in a 64-channel block), float32 rows whose width is not
  * a multiple of 8 (the one-channel tails). Sizes small enough for the host backend. */
-static const struct {
-  gu_row_t row;
-  int specials;
-} special[] = {
-    {{4, 32, 4, 2048, 256, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 0}, 64},
-    {{8, 64, 8, 2048, 128, HT, EXP, 16, BF, BF, TU_FORM_TOPK32, 0, 1}, 100},
-    {{4, 32, 4, 2052, 200, HT, EXP, 1, F32, F32, TU_FORM_MAP, 1, 0}, 50},
-    {{2, 16, 8, 4096, 128, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 1, 0}, 200},
-    {{4, 64, 8, 2880, 256, HT, TOK, 1, F32, FP8, TU_FORM_TOPK64, 0, 1}, 200},
-    {{4, 32, 8, 2048, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, 50},
-    {{2, 16, 2, 2052, 100, LL, EXP, 1, F32, F32, TU_FORM_TOPK64, 0, 0}, 128},
-    {{4, 64, 8, 2048, 128, LL, EXP, 1, BF, FP8, TU_FORM_MAP, 0, 0}, 200},
-    {{4, 32, 4, 2052, 256, A2A, TOK, 1, F32, F32, TU_FORM_TOPK32, 1, 0}, 64},
-    {{4, 32, 2, 2880, 300, A2A, EXP, 16, BF, BF, TU_FORM_MAP, 0, 1}, 100},
-    {{2, 16, 8, 4096, 128, A2A, EXP, 128, F32, FP8, TU_FORM_TOPK32, 1, 0}, 200},
+static const extra_t special[] = {
+    {{4, 32, 4, 2048, 256, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 0}, .specials = 64},
+    {{8, 64, 8, 2048, 128, HT, EXP, 16, BF, BF, TU_FORM_TOPK32, 0, 1}, .specials = 100},
+    {{4, 32, 4, 2052, 200, HT, EXP, 1, F32, F32, TU_FORM_MAP, 1, 0}, .specials = 50},
+    {{2, 16, 8, 4096, 128, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 1, 0}, .specials = 200},
+    {{4, 64, 8, 2880, 256, HT, TOK, 1, F32, FP8, TU_FORM_TOPK64, 0, 1}, .specials = 200},
+    {{4, 32, 8, 2048, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .specials = 50},
+    {{2, 16, 2, 2052, 100, LL, EXP, 1, F32, F32, TU_FORM_TOPK64, 0, 0}, .specials = 128},
+    {{4, 64, 8, 2048, 128, LL, EXP, 1, BF, FP8, TU_FORM_MAP, 0, 0}, .specials = 200},
+    {{4, 32, 4, 2052, 256, A2A, TOK, 1, F32, F32, TU_FORM_TOPK32, 1, 0}, .specials = 64},
+    {{4, 32, 2, 2880, 300, A2A, EXP, 16, BF, BF, TU_FORM_MAP, 0, 1}, .specials = 100},
+    {{2, 16, 8, 4096, 128, A2A, EXP, 128, F32, FP8, TU_FORM_TOPK32, 1, 0}, .specials = 200},
 };
 
 /* Receive budgets (docs/design.md, "Receive budget"), after the special values: rank r keeps
@@ -90,15 +92,11 @@ static const struct {
  * pairs are dropped at the end of some experts' blocks and whole experts go empty. Both
  * dispatch kernels (bulk copies, fp8), sync-free and exact sizing, every token on one expert,
  * and the gradients (the dispatch replay, a dropped pair's weight gradient 0). */
-static const struct {
-  gu_row_t row;
-  gu_route_t route;
-  int budget;
-} budgeted[] = {
-    {{4, 32, 4, 2048, 256, HT, EXP, 16, BF, BF, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_RANDOM, 60},
-    {{8, 64, 8, 7168, 512, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 40},
-    {{2, 16, 2, 4096, 300, HT, EXP, 1, F32, F32, TU_FORM_MAP, 0, 0}, GU_ROUTE_RANDOM, 75},
-    {{2, 32, 8, 2880, 200, HT, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 0}, GU_ROUTE_ONE_EXPERT, 50},
+static const extra_t budgeted[] = {
+    {{4, 32, 4, 2048, 256, HT, EXP, 16, BF, BF, TU_FORM_TOPK32, 1, 0}, .budget = 60},
+    {{8, 64, 8, 7168, 512, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 0, 1}, .budget = 40},
+    {{2, 16, 2, 4096, 300, HT, EXP, 1, F32, F32, TU_FORM_MAP, 0, 0}, .budget = 75},
+    {{2, 32, 8, 2880, 200, HT, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 0}, .route = GU_ROUTE_ONE_EXPERT, .budget = 50},
 };
 
 /* Decode steps, after the budgets: the low-latency kernels cut rows into slices when a step
@@ -106,71 +104,49 @@ static const struct {
  * float32 tails inside a row), a rank with no tokens, one token, a step of exactly the
  * capacity with every token on one expert, and a plan too large to build in shared memory
  * (8 ranks, 256 experts, 512 tokens). */
-static const struct {
-  gu_row_t row;
-  gu_route_t route;
-  int num_sms;
-} decode[] = {
-    {{2, 64, 8, 7168, 16, LL, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 64},
-    {{2, 32, 4, 7168, 1, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM, 16},
-    {{4, 64, 8, 4096, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK64, 0, 0}, GU_ROUTE_ONE_EXPERT, 32},
-    {{2, 16, 2, 2052, 24, LL, EXP, 1, F32, F32, TU_FORM_MAP, 0, 1}, GU_ROUTE_RANDOM, 64},
-    {{8, 256, 8, 7168, 32, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 16},
-    {{8, 256, 8, 2048, 512, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, GU_ROUTE_RANDOM, 16},
+static const extra_t decode[] = {
+    {{2, 64, 8, 7168, 16, LL, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 1}, .num_sms = 64},
+    {{2, 32, 4, 7168, 1, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, .num_sms = 16},
+    {{4, 64, 8, 4096, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK64, 0, 0}, .route = GU_ROUTE_ONE_EXPERT, .num_sms = 32},
+    {{2, 16, 2, 2052, 24, LL, EXP, 1, F32, F32, TU_FORM_MAP, 0, 1}, .num_sms = 64},
+    {{8, 256, 8, 7168, 32, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .num_sms = 16},
+    {{8, 256, 8, 2048, 512, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, .num_sms = 16},
 };
 
 /* The staged fp8 dispatch (bf16 rows of more than 1024 channels), after the decode steps:
  * rows that end half way into a chunk (2560 and 1536 channels) or inside a scale block (2000),
  * special values in its amax, every token on one expert with one token on some ranks; and rows
  * of 1024, which go through the lanes' rings instead. */
-static const struct {
-  gu_row_t row;
-  gu_route_t route;
-  int specials;
-} staged[] = {
-    {{4, 32, 4, 2560, 300, HT, EXP, 16, BF, FP8, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_RANDOM, 0},
-    {{2, 16, 2, 1536, 1000, HT, TOK, 1, BF, FP8, TU_FORM_TOPK64, 0, 1}, GU_ROUTE_ONE_RANK, 100},
-    {{8, 64, 8, 7168, 1, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 1, 0}, GU_ROUTE_ONE_EXPERT, 0},
-    {{4, 32, 4, 2000, 200, HT, EXP, 16, BF, FP8, TU_FORM_TOPK32, 0, 1}, GU_ROUTE_RANDOM, 200},
-    {{4, 64, 2, 1024, 333, HT, EXP, 16, BF, FP8, TU_FORM_TOPK64, 1, 1}, GU_ROUTE_RANDOM, 0},
+static const extra_t staged[] = {
+    {{4, 32, 4, 2560, 300, HT, EXP, 16, BF, FP8, TU_FORM_TOPK32, 1, 0}, .route = GU_ROUTE_RANDOM},
+    {{2, 16, 2, 1536, 1000, HT, TOK, 1, BF, FP8, TU_FORM_TOPK64, 0, 1}, .route = GU_ROUTE_ONE_RANK, .specials = 100},
+    {{8, 64, 8, 7168, 1, HT, EXP, 128, BF, FP8, TU_FORM_TOPK32, 1, 0}, .route = GU_ROUTE_ONE_EXPERT},
+    {{4, 32, 4, 2000, 200, HT, EXP, 16, BF, FP8, TU_FORM_TOPK32, 0, 1}, .specials = 200},
+    {{4, 64, 2, 1024, 333, HT, EXP, 16, BF, FP8, TU_FORM_TOPK64, 1, 1}, .route = GU_ROUTE_RANDOM},
 };
 
-#define NTABLE ((int)(sizeof cases / sizeof *cases))
-#define NSKEWED ((int)(sizeof skewed / sizeof *skewed))
-#define NSPECIAL ((int)(sizeof special / sizeof *special))
-#define NBUDGETED ((int)(sizeof budgeted / sizeof *budgeted))
-#define NDECODE ((int)(sizeof decode / sizeof *decode))
-#define NCASES (NTABLE + NSKEWED + NSPECIAL + NBUDGETED + NDECODE + (int)(sizeof staged / sizeof *staged))
+#define COUNT(t) ((int)(sizeof t / sizeof *t))
+#define NTABLE COUNT(cases)
+/* The tables after the first, in the order of their indices. */
+static const struct {
+  const extra_t *at;
+  int n;
+} extras[] = {{skewed, COUNT(skewed)},
+              {special, COUNT(special)},
+              {budgeted, COUNT(budgeted)},
+              {decode, COUNT(decode)},
+              {staged, COUNT(staged)}};
+#define NCASES (NTABLE + COUNT(skewed) + COUNT(special) + COUNT(budgeted) + COUNT(decode) + COUNT(staged))
 
+/* Case i, 0 <= i < NCASES. */
 static gu_case_t case_of(int i) {
   if (i < NTABLE) return gu_case_of(&cases[i], 16);
-  if (i >= NTABLE + NSKEWED + NSPECIAL + NBUDGETED + NDECODE) {
-    const int k = i - NTABLE - NSKEWED - NSPECIAL - NBUDGETED - NDECODE;
-    gu_case_t c = gu_case_of(&staged[k].row, 16);
-    c.route = staged[k].route;
-    c.specials = staged[k].specials;
-    return c;
-  }
-  if (i >= NTABLE + NSKEWED + NSPECIAL + NBUDGETED) {
-    const int d = i - NTABLE - NSKEWED - NSPECIAL - NBUDGETED;
-    gu_case_t c = gu_case_of(&decode[d].row, decode[d].num_sms);
-    c.route = decode[d].route;
-    return c;
-  }
-  if (i >= NTABLE + NSKEWED + NSPECIAL) {
-    const int b = i - NTABLE - NSKEWED - NSPECIAL;
-    gu_case_t c = gu_case_of(&budgeted[b].row, 16);
-    c.route = budgeted[b].route;
-    c.budget = budgeted[b].budget;
-    return c;
-  }
-  if (i >= NTABLE + NSKEWED) {
-    gu_case_t c = gu_case_of(&special[i - NTABLE - NSKEWED].row, 16);
-    c.specials = special[i - NTABLE - NSKEWED].specials;
-    return c;
-  }
-  gu_case_t c = gu_case_of(&skewed[i - NTABLE].row, 16);
-  c.route = skewed[i - NTABLE].route;
+  i -= NTABLE;
+  int t = 0;
+  while (i >= extras[t].n) i -= extras[t++].n;
+  const extra_t *x = &extras[t].at[i];
+  gu_case_t c = gu_case_of(&x->row, x->num_sms ? x->num_sms : 16);
+  c.route = x->route, c.specials = x->specials, c.budget = x->budget;
   return c;
 }
 
@@ -243,7 +219,7 @@ int main(int argc, char **argv) {
   if (argc == 2 && !strcmp(argv[1], "--list")) {
     for (int i = 0; i < NCASES; i++) {
       gu_case_t c = case_of(i);
-      printf("%2d  %s\n", i, gu_case_str(&c));
+      printf("%2d  %s sms=%d\n", i, gu_case_str(&c), c.num_sms);
     }
     return 0;
   }
