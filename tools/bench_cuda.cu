@@ -159,8 +159,7 @@ static __global__ void sm_bulk_copy_kernel(const uint8_t *src, uint8_t *dst, siz
   extern __shared__ __align__(128) uint8_t bulk_smem[];
   uint64_t *full = (uint64_t *)(bulk_smem + REF_STAGES * REF_STAGE_BYTES);
   if (threadIdx.x != 0) return;
-  for (int s = 0; s < REF_STAGES; s++) mbar_init(&full[s]);
-  fence_async_smem();
+  mbar_init_stages(full, REF_STAGES);
   uint32_t loaded = 0, consumed = 0;
   size_t next = blockIdx.x, done = blockIdx.x;
   for (; next < chunks && loaded < REF_STAGES - 1; next += gridDim.x, loaded++) {

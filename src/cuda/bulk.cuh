@@ -50,10 +50,7 @@ static size_t bulk_smem_bytes(void) { return sizeof(bulk_warp_t) * EPXC_BULK_WAR
 static __device__ bulk_warp_t *bulk_warp_setup(void) {
   extern __shared__ __align__(128) uint8_t bulk_smem[];
   bulk_warp_t *w = (bulk_warp_t *)bulk_smem + threadIdx.x / EPXC_WARP;
-  if (lane_id() == 0) {
-    for (int s = 0; s < EPXC_BULK_STAGES; s++) mbar_init(&w->full[s]);
-    fence_async_smem();
-  }
+  if (lane_id() == 0) mbar_init_stages(w->full, EPXC_BULK_STAGES);
   __syncwarp();
   return w;
 }

@@ -375,10 +375,13 @@ static combine_kernel_t reduce_token_of(epx_dtype_t y, epx_dtype_t out) {
 
 /* ---- launches --------------------------------------------------------------------------- */
 
+/* Each row is scaled by its routing weight (scale_by_probs applies to the expert layout only). */
+static bool ht_scales(const epxc_shape_t *s, const epxc_dispatch_t *a) { return a->scale_by_probs && s->expert_layout; }
+
 /* Rows change on the way (fp8, scaled by the routing weight): the per-token kernel converts
  * them, its rings in dynamic shared memory. */
 static bool ht_converts(const epxc_shape_t *s, const epxc_dispatch_t *a) {
-  return a->recv_dtype != a->x_dtype || (a->scale_by_probs && s->expert_layout);
+  return a->recv_dtype != a->x_dtype || ht_scales(s, a);
 }
 
 /* The rule. Dispatch: on devices with the bulk-copy engine (sm_90), rows that arrive as they
@@ -393,8 +396,8 @@ static bool ht_bulk_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
  * destination, and rows of more than one chunk (a row of one keeps a single chunk in flight
  * per warp: the loads look one token ahead). Elsewhere the lanes' rings convert. */
 static bool ht_staged(const epxc_shape_t *s, const epxc_dispatch_t *a) {
-  return s->bulk_copies && a->x_dtype == EPX_BFLOAT16 && a->recv_dtype == EPX_FP8_E4M3 &&
-         !(a->scale_by_probs && s->expert_layout) && s->hidden > EPXC_STAGED_CHUNK;
+  return s->bulk_copies && a->x_dtype == EPX_BFLOAT16 && a->recv_dtype == EPX_FP8_E4M3 && !ht_scales(s, a) &&
+         s->hidden > EPXC_STAGED_CHUNK;
 }
 
 typedef void (*dispatch_kernel_t)(epxc_shape_t, epxc_group_t, const epxc_plan_t *, epxc_dispatch_t);

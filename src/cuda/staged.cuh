@@ -24,7 +24,7 @@
 #include "cuda/rows.cuh"
 #include "cuda/tma.cuh"
 
-#define EPXC_STAGED_SUB (EPXC_LANE_CHANNELS * EPXC_WARP) /* 256: a sub-unit, 8 channels a lane */
+#define EPXC_STAGED_SUB EPXC_CHUNK_CHANNELS /* 256: a sub-unit, 8 channels a lane (config.cuh) */
 static_assert(EPXC_STAGED_CHUNK % (2 * EPXC_STAGED_SUB) == 0, "a chunk is pairs of sub-units");
 static_assert(EPXC_STAGED_SUB % EPX_FP8_BLOCK == 0, "a sub-unit is whole scale blocks");
 
@@ -41,10 +41,7 @@ static size_t staged_smem_bytes(void) { return sizeof(staged_warp_t) * EPXC_WARP
 static __device__ staged_warp_t *staged_warp_setup(void) {
   extern __shared__ __align__(128) uint8_t staged_smem[];
   staged_warp_t *w = (staged_warp_t *)staged_smem + threadIdx.x / EPXC_WARP;
-  if (lane_id() == 0) {
-    for (int s = 0; s < EPXC_STAGED_IN; s++) mbar_init(&w->full[s]);
-    fence_async_smem();
-  }
+  if (lane_id() == 0) mbar_init_stages(w->full, EPXC_STAGED_IN);
   __syncwarp();
   return w;
 }

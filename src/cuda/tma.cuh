@@ -25,6 +25,12 @@ static __device__ __forceinline__ void mbar_init(uint64_t *bar) {
  * (the async proxy) before it writes the stage again. */
 static __device__ __forceinline__ void fence_async_smem(void) { EPXC_TMA("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+/* One thread: n stages' barriers, initialised and made visible to the copy engine. */
+static __device__ __forceinline__ void mbar_init_stages(uint64_t *bars, int n) {
+  for (int s = 0; s < n; s++) mbar_init(&bars[s]);
+  fence_async_smem();
+}
+
 static __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
   EPXC_TMA("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
