@@ -82,8 +82,8 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 #define EPXC_FP8_AMAX_FLOOR 1e-4f   /* amax below this (a block of zeros) scales as this */
 #define EPXC_FP8_BLOCK_LANES (EPX_FP8_BLOCK / EPXC_LANE_CHANNELS) /* 16 lanes share one scale */
 
-/* ---- tracing (-DEPX_LL_TRACE) --------------------------------------------------------------- */
+/* ---- tracing (-DEPX_LL_TRACE, -DEPX_NOTIFY_TRACE: trace.cuh) --------------------------------- */
 
-#define EPXC_LL_TRACE_POINTS 8      /* phase times a low-latency launch keeps */
+#define EPXC_TRACE_POINTS 8         /* phase times a traced launch keeps */
 
 #endif

@@ -2,6 +2,24 @@
  * and, once every rank's counts are known, where each row lands. */
 #include "cuda/exchange.cuh"
 
+/* Build with -DEPX_NOTIFY_TRACE to have every block of rank 0's notify print when its phases
+ * ended (trace.cuh): started, built, scanned, done; the last block also met the peers,
+ * derived the receive side and closed. */
+#ifdef EPX_NOTIFY_TRACE
+#include "cuda/trace.cuh"
+#define NOTIFY_TRACE_DECL epxc_trace_t trace_ = {{0}, 0}
+#define NOTIFY_TRACE() trace_mark(&trace_, threadIdx.x == 0)
+#define NOTIFY_TRACE_PRINT() trace_print(&trace_, threadIdx.x == 0 && s.rank == 0, "notifytrace", ticket)
+#else
+#define NOTIFY_TRACE_DECL
+#define NOTIFY_TRACE() \
+  do {                 \
+  } while (0)
+#define NOTIFY_TRACE_PRINT() \
+  do {                       \
+  } while (0)
+#endif
+
 /* A token whose routing is refused counts nowhere and is in no rank; the refusal is this
  * rank's recoverable error, reported by epx_comm_synchronize. */
 static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, const void *topk_idx,
@@ -352,6 +370,8 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
 static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
     notify_kernel(epxc_shape_t s, const __grid_constant__ epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan,
                   epxc_route_t r, epxc_stamp_t stamp, int ncols) {
+  NOTIFY_TRACE_DECL;
+  NOTIFY_TRACE(); /* 0: started */
   extern __shared__ uint32_t notify_smem[];
   const int rows = s.nranks + s.num_experts;
   uint32_t *cols = notify_smem;                           /* [ncols, rows]: a pass's words, a column per warp */
@@ -367,20 +387,31 @@ static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
   const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
   const int64_t first = ticket_first(used, gridDim.x, ticket), last = ticket_first(used, gridDim.x, ticket + 1);
   build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry);
+  NOTIFY_TRACE(); /* 1: built */
   if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off) && threadIdx.x == 0) {
     record_error(&g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g.rank, (int64_t)(g.timeout_ns / 1000000));
     g.state[g.rank]->aborted = 1; /* this rank stops; the exchanges below post nothing */
   }
-  if (!finished_last(plan, scan, launch, r.num_tokens)) return;
+  NOTIFY_TRACE(); /* 2: scanned */
+  const bool closer = finished_last(plan, scan, launch, r.num_tokens);
+  NOTIFY_TRACE(); /* 3: done */
+  if (!closer) {
+    NOTIFY_TRACE_PRINT();
+    return;
+  }
   epxc_words_t words = {{0}};
   words.notify.status = (uint64_t)(uint32_t)plan->status;
   words.notify.plan = (uint64_t)(uintptr_t)plan;
   words.notify.num_tokens = (uint64_t)r.num_tokens;
   exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp);
+  NOTIFY_TRACE(); /* 4: met the peers */
   finish_block(&s, &g, plan);
+  NOTIFY_TRACE(); /* 5: receive side */
   const epxc_words_t none = {{0}};
   const epxc_stamp_t closing = {{0}};
   exchange_block(&g, EPXC_PH_NOTIFY_DONE, &none, closing);
+  NOTIFY_TRACE(); /* 6: closed */
+  NOTIFY_TRACE_PRINT();
 }
 
 /* Columns a notify pass builds at once: a warp each, as many as shared memory holds. */

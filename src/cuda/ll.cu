@@ -16,22 +16,13 @@
 #include "cuda/rows.cuh"
 
 /* Build with -DEPX_LL_TRACE to have rank 0's block 0 print when each phase of every launch
- * ended (ns since the launch started): where a decode step's latency goes. */
+ * ended (trace.cuh: the launch's start, then ns since it): where a decode step's latency goes. */
 #ifdef EPX_LL_TRACE
-#include <stdio.h>
-#define LL_TRACE_DECL uint64_t trace_[EPXC_LL_TRACE_POINTS] = {0}; int ntrace_ = 0
-#define LL_TRACE() \
-  do {             \
-    if (threadIdx.x == 0 && blockIdx.x == 0 && ntrace_ < EPXC_LL_TRACE_POINTS) trace_[ntrace_++] = globaltimer_ns(); \
-  } while (0)
-#define LL_TRACE_PRINT(what)                                                                                   \
-  do {                                                                                                         \
-    if (threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0)                                                    \
-      printf("lltrace %s:", what);                                                                             \
-    for (int i_ = 1; threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0 && i_ < ntrace_; i_++)                 \
-      printf(" %llu", (unsigned long long)(trace_[i_] - trace_[0]));                                           \
-    if (threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0) printf("\n");                                      \
-  } while (0)
+#include "cuda/trace.cuh"
+#define LL_TRACE_DECL epxc_trace_t trace_ = {{0}, 0}
+#define LL_TRACE() trace_mark(&trace_, threadIdx.x == 0 && blockIdx.x == 0)
+#define LL_TRACE_PRINT(what) \
+  trace_print(&trace_, threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0, "lltrace " what, 0)
 #else
 #define LL_TRACE_DECL
 #define LL_TRACE() \
