@@ -252,10 +252,14 @@ static __device__ __forceinline__ P *lane_ptr(P *p, int j) {
 /* ---- routing ----------------------------------------------------------------------------- */
 
 /* Reads token t's routing into ids/ws (K slots, -1 / 0 padded). Returns a status: a bad id, a
- * repeated expert, or a map row with more than K experts. *bad_slot names the slot. */
-static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx, epx_dtype_t idx_dtype,
-                                 const float *topk_weights, const uint8_t *map, const float *probs, int32_t *ids,
-                                 float *ws, int *bad_slot) {
+ * repeated expert, or a map row with more than K experts; *bad_slot names the first bad slot.
+ * Every slot's id and weight are loaded before any is checked, so a token costs two memory
+ * round trips, not two a slot (a notify's build waited on little else). The slots are
+ * compile-time indices (loops unrolled to EPXC_MAX_TOPK, slots from K on idle): ids and ws
+ * stay in registers where the caller indexes them the same way. */
+static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx,
+                                                 epx_dtype_t idx_dtype, const float *topk_weights, const uint8_t *map,
+                                                 const float *probs, int32_t *ids, float *ws, int *bad_slot) {
   const int K = s->topk, E = s->num_experts;
   if (map) {
     int k = 0;
@@ -265,28 +269,42 @@ static __device__ int read_route(const epxc_shape_t *s, int64_t t, const void *t
         *bad_slot = K;
         return EPX_ERR_TOPK_RANGE;
       }
-      ids[k] = e;
-      ws[k] = probs ? probs[t * E + e] : 1.0f;
+      const float w = probs ? probs[t * E + e] : 1.0f;
+#pragma unroll
+      for (int j = 0; j < EPXC_MAX_TOPK; j++)
+        if (j == k) ids[j] = e, ws[j] = w;
       k++;
     }
-    for (; k < K; k++) ids[k] = -1, ws[k] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < EPXC_MAX_TOPK; j++)
+      if (j >= k) ids[j] = -1, ws[j] = 0.0f;
     return EPX_SUCCESS;
   }
-  for (int k = 0; k < K; k++) {
-    int64_t e = idx_dtype == EPX_INT64 ? ((const int64_t *)topk_idx)[t * K + k] : ((const int32_t *)topk_idx)[t * K + k];
-    if (e < -1 || e >= E) {
-      *bad_slot = k;
-      return EPX_ERR_EXPERT_OUT_OF_RANGE;
-    }
+  uint32_t out_of_range = 0; /* a bit a slot */
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+    const int64_t e = k >= K                      ? -1
+                      : idx_dtype == EPX_INT64 ? ((const int64_t *)topk_idx)[t * K + k]
+                                               : ((const int32_t *)topk_idx)[t * K + k];
+    if (e < -1 || e >= E) out_of_range |= 1u << k;
     ids[k] = (int32_t)e;
-    ws[k] = e < 0 ? 0.0f : topk_weights ? topk_weights[t * K + k] : 1.0f;
-    for (int j = 0; j < k; j++)
-      if (e >= 0 && ids[j] == e) {
-        *bad_slot = k;
-        return EPX_ERR_INVALID_ARGUMENT;
-      }
+    ws[k] = k < K && topk_weights ? topk_weights[t * K + k] : 1.0f;
   }
-  return EPX_SUCCESS;
+  int bad = -1, st = EPX_SUCCESS;
+#pragma unroll
+  for (int k = EPXC_MAX_TOPK - 1; k >= 0; k--) { /* from the last slot down: the first bad one stays */
+    bool repeated = false;
+#pragma unroll
+    for (int j = 0; j < k; j++) repeated |= ids[j] == ids[k];
+    const bool range = (out_of_range >> k) & 1;
+    if (k < K && (range || (ids[k] >= 0 && repeated)))
+      bad = k, st = range ? EPX_ERR_EXPERT_OUT_OF_RANGE : EPX_ERR_INVALID_ARGUMENT;
+  }
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++)
+    if (ids[k] < 0) ws[k] = 0.0f;
+  if (bad >= 0) *bad_slot = bad;
+  return st;
 }
 
 /* ---- plans -------------------------------------------------------------------------------- */
@@ -314,9 +332,13 @@ static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, epxc
   const int64_t W = plan->words;
   const uint32_t bit = 1u << (t & 31);
   uint64_t ranks = 0;
-  for (int k = 0; k < K; k++) {
-    plan->idx[t * K + k] = ids[k];
-    plan->weight[t * K + k] = ws[k];
+  int32_t *const idx = plan->idx; /* read once: the stores below could otherwise be to *plan */
+  float *const weight = plan->weight;
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) { /* compile-time slots: ids and ws stay in registers */
+    if (k >= K) continue;
+    idx[t * K + k] = ids[k];
+    weight[t * K + k] = ws[k];
     if (ids[k] < 0) continue;
     ranks |= 1ull << (ids[k] / L);
     atomicOr(&b.exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);

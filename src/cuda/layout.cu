@@ -36,8 +36,9 @@ static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, 
       continue;
     }
     uint64_t ranks = 0;
-    for (int k = 0; k < s.topk; k++) {
-      if (ids[k] < 0) continue;
+#pragma unroll
+    for (int k = 0; k < EPXC_MAX_TOPK; k++) { /* compile-time slots: ids stay in registers */
+      if (k >= s.topk || ids[k] < 0) continue;
       ranks |= 1ull << (ids[k] / s.num_local);
       if (tokens_per_expert) atomicAdd(&tokens_per_expert[ids[k]], 1);
     }
@@ -105,9 +106,13 @@ static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, cons
     const int st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
     if (st != EPX_SUCCESS)
       atomicMin(bad_key, bad_route_key(t, bad, st));
-    for (int k = 0; k < K && st == EPX_SUCCESS; k++) {
-      plan->idx[t * K + k] = ids[k];
-      plan->weight[t * K + k] = ws[k];
+    int32_t *const idx = plan->idx; /* read once: the stores below could otherwise be to *plan */
+    float *const weight = plan->weight;
+#pragma unroll
+    for (int k = 0; k < EPXC_MAX_TOPK; k++) { /* compile-time slots: ids and ws stay in registers */
+      if (k >= K || st != EPX_SUCCESS) continue;
+      idx[t * K + k] = ids[k];
+      weight[t * K + k] = ws[k];
       if (ids[k] < 0) continue;
       ranks |= 1ull << (ids[k] / L);
       atomicOr(&col[R + ids[k]], 1u << lane);
@@ -202,11 +207,23 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
     if (i == (int)gridDim.x - 1) plan->counts[row] = o + carry[row];
   }
   __syncthreads();
-  const int64_t W = plan->words, n = last - first;
-  for (int64_t k = tid; i > 0 && k < (int64_t)rows * n; k += blockDim.x) {
-    const int row = (int)(k / n);
-    int32_t *pre = plan_pre_row(plan, R, W, row);
-    pre[first + k % n] += off[row];
+  /* the earlier tickets' sums into this ticket's words: EPXC_SCAN_BATCH words a thread loaded
+     before any is written back, so a pass costs one round trip for that many words */
+  const int64_t W = plan->words;
+  const int n = (int)(last - first), total = rows * n;
+  for (int base = 0; i > 0 && base < total; base += EPXC_SCAN_BATCH * (int)blockDim.x) {
+    int32_t *pre[EPXC_SCAN_BATCH];
+    int32_t v[EPXC_SCAN_BATCH], add[EPXC_SCAN_BATCH];
+#pragma unroll
+    for (int u = 0; u < EPXC_SCAN_BATCH; u++) {
+      const int k = base + u * (int)blockDim.x + tid, row = k < total ? k / n : 0;
+      pre[u] = k < total ? plan_pre_row(plan, R, W, row) + first + (k - row * n) : NULL;
+      v[u] = pre[u] ? *pre[u] : 0;
+      add[u] = off[row];
+    }
+#pragma unroll
+    for (int u = 0; u < EPXC_SCAN_BATCH; u++)
+      if (pre[u]) *pre[u] = v[u] + add[u];
   }
   return true;
 }

@@ -118,9 +118,11 @@ static __device__ __forceinline__ bool pair_arrived(const epxc_shape_t *s, const
 /* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. A
  * decode step's bitmaps are a few words per row: they are built in shared memory, where
  * clearing them and setting bits cost no round trip to memory, and written out once, with
- * the prefix pass reading them from there. Larger ones are built in the plan itself. */
-static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
-                                  const epxc_route_t *r) {
+ * the prefix pass reading them from there. Larger ones are built in the plan itself. Out of
+ * line: the routing slots it holds in registers (read_route) would otherwise push the rest
+ * of the dispatch kernel past its 64 registers into more spills. */
+static __device__ __noinline__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
+                                            const epxc_route_t *r) {
   const int K = s->topk, R = s->nranks, E = s->num_experts;
   const int64_t W = plan->words, T = r->num_tokens, words = (int64_t)(R + E) * W;
   __shared__ uint32_t staged_bits[EPXC_LL_PLAN_WORDS];
@@ -143,7 +145,9 @@ static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, cons
     for (int64_t t = threadIdx.x; t < T && !(replay && (prev->status || prev->group_status)); t += blockDim.x) {
       int bad = 0, st = EPX_SUCCESS;
       if (replay)
-        for (int k = 0; k < K; k++) ids[k] = prev->idx[t * K + k], ws[k] = prev->weight[t * K + k];
+#pragma unroll
+        for (int k = 0; k < EPXC_MAX_TOPK; k++) /* compile-time slots: ids and ws stay in registers */
+          ids[k] = k < K ? prev->idx[t * K + k] : -1, ws[k] = k < K ? prev->weight[t * K + k] : 0.0f;
       else
         st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
       if (st != EPX_SUCCESS)
