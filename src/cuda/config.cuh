@@ -65,13 +65,12 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 
 /* ---- staged fp8 rows (staged.cuh) ---------------------------------------------------- */
 
-/* A warp's chunk: 1024 channels, 2 KB of bf16 in, 1 KB of fp8 and 32 bytes of scales out. Two
- * input stages (one landing while the other is quantised) and two fp8 stages (one being
- * written out while the other fills): 6.4 KB a warp with its destination table, 32 warps to an
- * SM (204 KB), 128 KB of loads in flight. */
+/* A warp's chunk: 1024 channels, 2 KB of bf16 in, 1 KB of fp8 and 32 bytes of scales out,
+ * stored straight from registers. Two input stages (one being quantised, one landing):
+ * 4.4 KB a warp with its destination table, 32 warps to an SM (140 KB), 128 KB of loads in
+ * flight. A third stage measured no faster (bench/RESULTS.md, 2026-12-02). */
 #define EPXC_STAGED_CHUNK 1024
 #define EPXC_STAGED_IN 2
-#define EPXC_STAGED_OUT 2
 
 /* ---- waits ------------------------------------------------------------------------------ */
 

@@ -11,8 +11,8 @@
  *    shared-memory stages; a warp describes a bitmap word's 32 tokens at once, then streams
  *    them. Every dispatch whose rows arrive as they were sent (same type, no scaling).
  *  - staged fp8 (staged.cuh), a warp per token: bf16 rows quantised to fp8 from chunks the
- *    copy engine brings into the warp's stages, written out by bulk copies to every row of
- *    the token (ht_staged says where: sm_90, not scaled, rows of more than 1024 channels).
+ *    copy engine brings into the warp's stages, stored by the lanes to every row of the token
+ *    (ht_staged says where: sm_90, not scaled, rows of more than 1024 channels).
  *  - converting (ring.cuh), a warp per token: the other dispatches that convert (fp8, quantised
  *    per 128 channels on the fly; scaled by the routing weight), each row read through its
  *    lanes' rings of asynchronous copies.
@@ -167,7 +167,6 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_staged_kernel(ep
     }
     cur = at, more = then, row = next;
   }
-  bulk_copy_finish();
 }
 
 /* ---- dispatch, pipelined: where a batch's rows come from and go ------------------------- */

@@ -1,7 +1,7 @@
 /* Rows converted on the way (fp8 quantised per 128 channels; scaled by the routing weight),
  * read through each lane's own ring of asynchronous copies. ht.cu's converting dispatches run
  * on it, a warp per token, except bf16 rows of more than 1024 channels to fp8, which go
- * through bulk-copied stages (staged.cuh: 45% more bytes per SM-second, bench/RESULTS.md).
+ * through bulk-copied stages (staged.cuh: 75% more bytes per SM-second, bench/RESULTS.md).
  *
  * Why: a warp that loads a 16-byte vector and then works on it keeps one load in flight per
  * lane, 16 KB per 1024-thread block, a sixth of what an SM needs to move at its limit; holding
