@@ -2,8 +2,8 @@
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
 #   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [sanitize] [compare]
-#   [megatron] [profile] [all]   (default all, which leaves out sanitize, compare, megatron and
-#   profile; nvlink, scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs
+#   [megatron] [profile] [trace] [all]   (default all, which leaves out sanitize, compare,
+#   megatron, profile and trace; nvlink, scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs
 #   epx-bench's token and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL
 #   all-to-all baseline of the nvlink shapes; sanitize runs compute-sanitizer memcheck over
 #   test_cuda_graph ht and ll and a subset of test_cuda_match (EPX_SANITIZE_CASES, indices as
@@ -11,7 +11,9 @@
 #   EPX_GPU_BUILD_BASE, and this one, alternating, and prints new / base per phase; megatron
 #   runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
 #   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
-#   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py)
+#   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
+#   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
+#   shapes and sums up their phase times with tools/trace_phases.py)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -199,6 +201,29 @@ if asked profile; then
     ncu -i "$pd/$name.ncu-rep" --page source --csv --print-source sass >"$pd/$name.csv" 2>/dev/null &&
       python3 tools/ncu_hotspots.py "$pd/$name.csv" >"$pd/$name-hotspots.txt" && head -4 "$pd/$name-hotspots.txt"
     ncu -i "$pd/$name.ncu-rep" --page details >"$pd/$name-details.txt" 2>/dev/null
+  done
+fi
+# Phase times: the library built again with -DEPX_LL_TRACE -DEPX_NOTIFY_TRACE (into
+# $EPX_GPU_TRACE_BUILD, default build-trace: carry it to skip the build), run by this build's
+# benchmark for notify's and the low-latency shapes; tools/trace_phases.py sums each up (us,
+# min / median / max, the warm-up launch dropped) into $out/trace-<shape>.txt.
+if asked trace; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  tb=${EPX_GPU_TRACE_BUILD:-build-trace}
+  if [ ! -f "$tb/libepx.so" ]; then
+    cmake -S . -B "$tb" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CUDA_FLAGS=-DEPX_LL_TRACE -DEPX_NOTIFY_TRACE" \
+      >"$out/trace-build.log" 2>&1 && cmake --build "$tb" -j --target epx >>"$out/trace-build.log" 2>&1 \
+      || { tail -30 "$out/trace-build.log"; exit 1; }
+  fi
+  traces=("notify-1x4096|--ranks 1 --tokens 4096 --iters 5" "notify-8x4096|--ranks 8 --tokens 4096 --iters 5"
+          "notify-8x32768|--ranks 8 --tokens 32768 --iters 2" "ll-2x1|--ranks 2 --tokens 1 --mode ll --graph --iters 20"
+          "ll-2x128|--ranks 2 --tokens 128 --mode ll --graph --iters 20"
+          "ll-8x128|--ranks 8 --tokens 128 --mode ll --graph --iters 20")
+  for p in "${traces[@]}"; do
+    IFS='|' read -r name flags <<<"$p"
+    run "trace-$name" env CUDA_VISIBLE_DEVICES=${first%%,*} LD_LIBRARY_PATH="$PWD/$tb" timeout 120 \
+      "$build/epx-bench" --backend cuda $flags
+    python3 tools/trace_phases.py --skip 1 "$logs/trace-$name.log" | tee "$out/trace-$name.txt"
   done
 fi
 # Megatron-core's own MoELayer with the flex dispatcher (deepep and hybridep) on epx's CUDA

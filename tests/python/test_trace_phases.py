@@ -1,0 +1,78 @@
+"""tools/trace_phases.py on trace output made up here in trace.cuh's format: low-latency
+launches summed per kind, notify's block lines cut into launches, warm-up launches skipped,
+and lines of other output ignored."""
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+from moe_ref import rng
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "trace_phases.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("trace_phases", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["trace_phases"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _line(kind, block, start, marks):
+    """trace_print's line: 7 marks after the start, those not taken 0."""
+    return f"{kind} {block}: {start} " + " ".join(str(m) for m in marks + [0] * (7 - len(marks)))
+
+
+def _ll_launches(g, n, phases):
+    """n launches of rising phase ends (ns), each a list of len(phases) marks."""
+    return [sorted(int(x) for x in g.integers(1000, 90000, len(phases))) for _ in range(n)]
+
+
+def test_low_latency_phases_and_skip():
+    mod = _tool()
+    g = rng(0)
+    kind = "lltrace dispatch plan stage post wait place copy"
+    runs = _ll_launches(g, int(g.integers(3, 30)), kind.split()[2:])
+    skip = int(g.integers(0, 3))
+    text = ["epx-bench: backend cuda, 2 ranks", "dispatch 0.043 ..."]  # the benchmark's own lines
+    text += [_line(kind, 0, 10**9 + 10**6 * i, r) for i, r in enumerate(runs)]
+    rows = mod.summarise(mod.parse(text), skip=skip)
+    assert rows[0] == f"dispatch: {len(runs) - skip} launches (us since the launch's start, min / median / max)"
+    for i, name in enumerate(kind.split()[2:]):
+        us = [r[i] / 1000 for r in runs[skip:]]
+        assert rows[1 + i].split()[0] == name
+        assert rows[1 + i].endswith(f"{min(us):.1f} / {statistics.median(us):.1f} / {max(us):.1f}")
+
+
+def test_notify_blocks_cut_into_launches():
+    mod = _tool()
+    g = rng(1)
+    blocks, launches = int(g.integers(2, 17)), int(g.integers(2, 6))
+    lines, closer_closed = [], []
+    for L in range(launches):
+        first = 5 * 10**9 + L * 10**7  # launches 10 ms apart; blocks start within 2 us
+        for b in g.permutation(blocks):  # blocks print in any order
+            start = first + int(g.integers(0, 2000)) if b else first
+            marks = sorted(int(x) for x in g.integers(1000, 40000, 3))
+            if b == blocks - 1:  # the closing block's three more marks
+                marks += sorted(int(x) for x in g.integers(40000, 90000, 3))
+                closer_closed.append((start - first + marks[-1]) / 1000)
+            lines.append(_line("notifytrace", int(b), start, marks))
+    rows = mod.summarise(mod.parse(lines), skip=1)
+    assert rows[0].startswith(f"notify: {launches - 1} launches, {(launches - 1) * blocks} block lines")
+    closed = rows[1 + mod.NOTIFY_PHASES.index("closed")]
+    want = closer_closed[1:]
+    since_launch = closed.split("|")[1].split("(")[0].strip()
+    assert since_launch == f"{min(want):.1f} / {statistics.median(want):.1f} / {max(want):.1f}"
+    assert "(every block)" in rows[1] and "(the last block)" in closed
+
+
+def test_no_trace_lines(tmp_path, capsys):
+    mod = _tool()
+    path = tmp_path / "out.txt"
+    path.write_text("epx-bench: nothing traced\n")
+    assert mod.main([str(path)]) == 1
+    assert "no trace lines" in capsys.readouterr().out

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Phase times from a trace build's output (src/cuda/trace.cuh: -DEPX_LL_TRACE,
+-DEPX_NOTIFY_TRACE), summed up per kind of launch: for each phase, when it ended (us since
+the launch's or the block's start) as min / median / max over the launches seen.
+
+    build-trace/... epx-bench --backend cuda --mode ll --graph ... > ll.txt
+    python3 tools/trace_phases.py ll.txt [--skip N]
+
+A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 7 - start>", marks not taken
+printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
+..."); notify's blocks ("notifytrace") build, scan and finish, and the last block of a launch
+also meets the peers, derives the receive side and closes. Notify's blocks of one launch are
+the lines whose starts lie within --window us of the launch's first; its phases are also given
+since that first start, the whole launch as one rank saw it. --skip drops each kind's first N
+launches (warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+
+NOTIFY_KIND = "notifytrace"
+NOTIFY_PHASES = ["built", "scanned", "done", "met the peers", "receive side", "closed"]
+NOTIFY_BLOCK_PHASES = 3  # marks every block takes; the rest only the closing block
+LINE = re.compile(r"^(?P<kind>[a-z]+trace[^:]*?) (?P<block>\d+): (?P<start>\d+)(?P<marks>( \d+)*)\s*$")
+
+
+@dataclass
+class Mark:
+    kind: str  # the kind with its phase names, e.g. "lltrace dispatch plan stage post"
+    block: int
+    start: int  # ns
+    marks: list[int]  # ns since start, the taken ones only
+
+
+def parse(lines) -> list[Mark]:
+    out = []
+    for line in lines:
+        m = LINE.match(line.strip())
+        if not m:
+            continue
+        marks = [int(x) for x in m["marks"].split()]
+        while marks and marks[-1] == 0:
+            marks.pop()
+        out.append(Mark(m["kind"], int(m["block"]), int(m["start"]), marks))
+    return out
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def names_of(kind: str) -> tuple[str, list[str]]:
+    """The launch kind and its phase names: "lltrace dispatch plan stage" -> ("dispatch", ["plan", "stage"])."""
+    words = kind.split()
+    if words[0] == NOTIFY_KIND:
+        return "notify", NOTIFY_PHASES
+    return words[1], words[2:]
+
+
+def launches(marks: list[Mark], window_us: float) -> list[list[Mark]]:
+    """Notify's lines cut into launches: blocks whose starts lie within the window of the first."""
+    out: list[list[Mark]] = []
+    for m in sorted(marks, key=lambda m: m.start):
+        if out and m.start - out[-1][0].start <= window_us * 1000:
+            out[-1].append(m)
+        else:
+            out.append([m])
+    return out
+
+
+def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str]:
+    groups = launches(marks, window_us)[skip:]
+    per_block = [[] for _ in NOTIFY_PHASES]  # since each block's own start
+    per_launch = [[] for _ in NOTIFY_PHASES]  # since the launch's first start
+    for g in groups:
+        first = g[0].start
+        for m in g:
+            for i, t in enumerate(m.marks[: len(NOTIFY_PHASES)]):
+                per_block[i].append(t / 1000)
+                per_launch[i].append((m.start - first + t) / 1000)
+    rows = [f"notify: {len(groups)} launches, {sum(len(g) for g in groups)} block lines "
+            "(us, min / median / max; since the block's start | since the launch's first start)"]
+    for i, name in enumerate(NOTIFY_PHASES):
+        who = "every block" if i < NOTIFY_BLOCK_PHASES else "the last block"
+        rows.append(f"  {name:14} {spread(per_block[i]):24} | {spread(per_launch[i]):24} ({who})")
+    return rows
+
+
+def summarise(marks: list[Mark], skip: int = 0, window_us: float = 500.0) -> list[str]:
+    rows: list[str] = []
+    kinds: dict[str, list[Mark]] = {}
+    for m in marks:
+        kinds.setdefault(m.kind, []).append(m)
+    for kind, ms in kinds.items():
+        if kind.split()[0] == NOTIFY_KIND:
+            rows += summarise_notify(ms, skip, window_us)
+            continue
+        what, phases = names_of(kind)
+        ms = ms[skip:]
+        rows.append(f"{what}: {len(ms)} launches (us since the launch's start, min / median / max)")
+        for i, name in enumerate(phases):
+            rows.append(f"  {name:14} {spread([m.marks[i] / 1000 for m in ms if i < len(m.marks)])}")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="*", help="trace output (default: stdin)")
+    ap.add_argument("--skip", type=int, default=0, help="launches of each kind to drop first (warm-up)")
+    ap.add_argument("--window", type=float, default=500.0, help="us within which notify's blocks are one launch")
+    a = ap.parse_args(argv)
+    lines = []
+    for f in a.files or ["-"]:
+        lines += (sys.stdin if f == "-" else open(f)).read().splitlines()
+    rows = summarise(parse(lines), a.skip, a.window)
+    print("\n".join(rows) if rows else "no trace lines")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
