@@ -3,25 +3,17 @@ columns ncu writes): runs of equally executed instructions, their shares and sta
 and a file holding two kernels."""
 
 import csv
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 from moe_ref import rng
+from tool_module import load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "ncu_hotspots.py"
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
           "# Samples", "Instructions Executed", "stall_long_sb", "stall_short_sb", "stall_long_sb (Not Issued)"]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ncu_hotspots", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ncu_hotspots"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ncu_hotspots")
 
 
 def _page(kernels):

@@ -1,13 +1,13 @@
 """tools/plot_bench.py on CPU-backend JSON: epx-bench's sweeps become a PNG (skipped without
 matplotlib), and gpu_check's mixed JSON lines are read (always)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tool_module import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "build" / "epx-bench"
@@ -16,10 +16,7 @@ SMALL = ["--backend", "host", "--ranks", "2", "--hidden", "64", "--experts", "4"
 
 
 def _plot_module():
-    spec = importlib.util.spec_from_file_location("plot_bench", PLOT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("plot_bench")
 
 
 def test_reads_runs_sweeps_and_lines(tmp_path):

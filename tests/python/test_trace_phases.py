@@ -2,23 +2,14 @@
 launches summed per kind, notify's block lines cut into launches, warm-up launches skipped,
 and lines of other output ignored."""
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 from moe_ref import rng
-
-ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "trace_phases.py"
+from tool_module import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("trace_phases", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["trace_phases"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("trace_phases")
 
 
 def _line(kind, block, start, marks):
