@@ -11,6 +11,24 @@
 
 #include "cuda/common.cuh"
 
+/* Build with -DEPX_EXCHANGE_TRACE to have every exchange of rank 0 print when each of its steps
+ * ended (trace.cuh): where an exchange's microseconds go once its peers have posted. A flag of
+ * its own: its printf inside a kernel would shift that kernel's own trace marks. */
+#ifdef EPX_EXCHANGE_TRACE
+#include "cuda/trace.cuh"
+#define EX_TRACE_DECL epxc_trace_t ex_trace_ = {{0}, 0}
+#define EX_TRACE() trace_mark(&ex_trace_, threadIdx.x == 0)
+#define EX_TRACE_PRINT(what) trace_print(&ex_trace_, threadIdx.x == 0 && g->rank == 0, "extrace " what, phase)
+#else
+#define EX_TRACE_DECL
+#define EX_TRACE() \
+  do {             \
+  } while (0)
+#define EX_TRACE_PRINT(what) \
+  do {                       \
+  } while (0)
+#endif
+
 static_assert(sizeof(epxc_slot_t) == sizeof(uint64_t) * (1 + EPXC_SLOT_WORDS), "a mailbox is a flag and its words");
 static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "every kind of words fits a slot");
 
@@ -20,6 +38,8 @@ static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "ev
  * copied to local memory first. */
 static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
                                          const epxc_stamp_t stamp) {
+  EX_TRACE_DECL;
+  EX_TRACE();
   epxc_state_t *me = g->state[g->rank];
   __shared__ uint64_t ex_epoch;
   if (threadIdx.x == 0) {
@@ -27,6 +47,7 @@ static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const
     if (ex_epoch) me->seq = ex_epoch;
   }
   __syncthreads();
+  EX_TRACE(); /* 1: epoch */
   const uint64_t epoch = ex_epoch;
   const int r = threadIdx.x;
   if (epoch && r < g->nranks) {
@@ -38,6 +59,8 @@ static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const
     st_release(&slot->flag, epoch);
   }
   __syncthreads();
+  EX_TRACE(); /* 2: posted */
+  EX_TRACE_PRINT("exchange_post epoch posted");
   return epoch;
 }
 
@@ -97,15 +120,15 @@ static __device__ bool give_up_or_not(const epxc_group_t *g, uint64_t epoch, int
   return arrived;
 }
 
-/* Peer r's verdict on exchange `epoch`, whose post has arrived: false (recorded) when it gave
- * up on it, having waited for this rank past the timeout. A deciding peer takes a few loads;
- * one whose record turns fatal meanwhile has stopped. */
-static __device__ bool peer_kept(const epxc_group_t *g, const volatile epxc_slot_t *in, uint64_t epoch, int r,
-                                 int phase) {
+/* Peer r's verdict on exchange `epoch`, whose post has arrived (v: the verdict as read with
+ * the post): false (recorded) when it gave up on it, having waited for this rank past the
+ * timeout. A deciding peer takes a few loads; one whose record turns fatal meanwhile has
+ * stopped. */
+static __device__ bool peer_kept(const epxc_group_t *g, const volatile epxc_slot_t *in, uint64_t v, uint64_t epoch,
+                                 int r, int phase) {
   const uint64_t deciding = EPXC_VERDICT(epoch, EPXC_VERDICT_DECIDING);
   const uint64_t gave_up = EPXC_VERDICT(epoch, EPXC_VERDICT_GAVE_UP);
   const volatile epxc_error_t *peer_err = &g->errors[r];
-  uint64_t v = in->verdict;
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0; v == deciding; spin++) {
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK &&
@@ -149,10 +172,13 @@ static __device__ void compare_posts(const uint64_t *tag, const epxc_stamp_t *st
  * whose poster gave up on this exchange fails this rank. Call from every thread of one block.
  * Returns false when this rank must stop. */
 static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t epoch) {
+  EX_TRACE_DECL;
+  EX_TRACE();
   epxc_state_t *me = g->state[g->rank];
   __shared__ int ex_failed, ex_late;
   __shared__ int ex_step, ex_handle, ex_differ; /* see compare_posts */
   __shared__ uint64_t ex_tag[EPX_MAX_RANKS];
+  __shared__ int32_t ex_status[EPX_MAX_RANKS]; /* each post's status word, for thread 0's look below */
   __shared__ epxc_stamp_t ex_stamp[EPX_MAX_RANKS];
   const int R = g->nranks, r = threadIdx.x;
   if (r == 0) {
@@ -169,23 +195,36 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
   int got = WAIT_ARRIVED;
   if (mine) {
     fence_sc(); /* this rank's post before its reading of the verdicts (see give_up_or_not) */
+    EX_TRACE(); /* 1: thread 0 fenced */
     got = wait_flag(g, (const uint64_t *)&in->flag, epoch, r, phase);
     if (got == WAIT_FAILED) ex_failed = 1;
     if (got == WAIT_LATE) ex_late = 1;
   }
   __syncthreads();
+  EX_TRACE(); /* 2: every flag seen */
   const bool failed = ex_failed, late = ex_late; /* read before any thread writes ex_failed again */
   const bool ok = !failed && (!late || give_up_or_not(g, epoch, phase, got == WAIT_LATE));
   if (mine && ok) {
-    if (r != g->rank && !peer_kept(g, in, epoch, r, phase)) ex_failed = 1;
-    ex_tag[r] = in->phase_tag;
-    for (int i = 0; i < EPXC_STAMP_WORDS; i++) ex_stamp[r].word[i] = in->stamp.word[i];
-    for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) me->got[r].word[i] = in->words.word[i];
+    /* the whole post and the verdict in one round trip: every load issued before any is used */
+    epxc_words_t words;
+    epxc_stamp_t stamp;
+#pragma unroll
+    for (int i = 0; i < EPXC_PAYLOAD_WORDS; i++) words.word[i] = in->words.word[i];
+#pragma unroll
+    for (int i = 0; i < EPXC_STAMP_WORDS; i++) stamp.word[i] = in->stamp.word[i];
+    const uint64_t tag = in->phase_tag, verdict = in->verdict;
+    if (r != g->rank && !peer_kept(g, in, verdict, epoch, r, phase)) ex_failed = 1;
+    ex_tag[r] = tag;
+    ex_stamp[r] = stamp;
+    ex_status[r] = (int32_t)words.status;
+    me->got[r] = words;
   }
   if (!ok && r == 0) ex_failed = 1;
   __syncthreads();
+  EX_TRACE(); /* 3: posts read */
   if (!ex_failed) compare_posts(ex_tag, ex_stamp, R, &ex_step, &ex_handle, &ex_differ);
   __syncthreads();
+  EX_TRACE(); /* 4: compared */
   if (r == 0) {
     if (!ex_failed && ex_step < R) {
       record_stamp_error(g, EPX_ERR_OUT_OF_STEP, phase, ex_step, ex_tag, ex_stamp);
@@ -193,7 +232,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
     }
     int status = 0, who = -1;
     for (int q = 0; q < R && !status && !ex_failed; q++)
-      if ((int32_t)me->got[q].status != 0) status = (int32_t)me->got[q].status, who = q;
+      if (ex_status[q] != 0) status = ex_status[q], who = q;
     if (status) {
       record_error(g, status, phase, who, 0);
     } else if (!ex_failed && ex_handle < R) {
@@ -209,7 +248,10 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
       me->group_status = status;
     __threadfence();
   }
+  EX_TRACE(); /* 5: thread 0 decided */
   __syncthreads();
+  EX_TRACE(); /* 6: done */
+  EX_TRACE_PRINT("exchange_wait fenced flags read compared decided done");
   return !ex_failed;
 }
 

@@ -1,5 +1,6 @@
 /* Phase times of one launch, for builds that ask for them: -DEPX_LL_TRACE (the low-latency
- * kernels, rank 0's block 0) or -DEPX_NOTIFY_TRACE (notify, every block of rank 0). A kernel
+ * kernels, rank 0's block 0), -DEPX_NOTIFY_TRACE (notify, every block of rank 0) or
+ * -DEPX_EXCHANGE_TRACE (the steps of each of rank 0's exchanges, exchange.cuh). A kernel
  * keeps an epxc_trace_t, stamps the global timer (trace_mark) where a phase ends, and prints
  * the marks (trace_print): the first one's absolute time, then each later one since it, so
  * the blocks of a launch line up. Where a step's time goes, without a profiler. Only the

@@ -67,3 +67,23 @@ def test_no_trace_lines(tmp_path, capsys):
     path.write_text("epx-bench: nothing traced\n")
     assert mod.main([str(path)]) == 1
     assert "no trace lines" in capsys.readouterr().out
+
+
+def test_exchange_steps_beside_a_kernel():
+    """-DEPX_EXCHANGE_TRACE's lines (the phase as the block number) summed apart from the
+    kernel lines they are printed among."""
+    mod = _tool()
+    g = rng(2)
+    ex_kind = "extrace exchange_wait fenced flags read compared decided done"
+    ll_kind = "lltrace combine partials arrive post wait sum"
+    ex_runs = _ll_launches(g, int(g.integers(2, 20)), ex_kind.split()[2:])
+    ll_runs = _ll_launches(g, len(ex_runs), ll_kind.split()[2:])
+    lines = []
+    for i, (e, k) in enumerate(zip(ex_runs, ll_runs)):
+        lines += [_line(ex_kind, int(g.integers(0, 9)), 10**9 + 10**6 * i, e), _line(ll_kind, 0, 10**9 + 10**6 * i, k)]
+    rows = mod.summarise(mod.parse(lines))
+    at = rows.index(f"exchange_wait: {len(ex_runs)} launches (us since the launch's start, min / median / max)")
+    decided = [r[4] / 1000 for r in ex_runs]
+    assert rows[at + 5].split()[0] == "decided"
+    assert rows[at + 5].endswith(f"{min(decided):.1f} / {statistics.median(decided):.1f} / {max(decided):.1f}")
+    assert f"combine: {len(ll_runs)} launches (us since the launch's start, min / median / max)" in rows
