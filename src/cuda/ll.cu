@@ -118,11 +118,11 @@ static __device__ __forceinline__ bool pair_arrived(const epxc_shape_t *s, const
 /* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. A
  * decode step's bitmaps are a few words per row: they are built in shared memory, where
  * clearing them and setting bits cost no round trip to memory, and written out once, with
- * the prefix pass reading them from there. Larger ones are built in the plan itself. Out of
- * line: the routing slots it holds in registers (read_route) would otherwise push the rest
- * of the dispatch kernel past its 64 registers into more spills. */
-static __device__ __noinline__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
-                                            const epxc_route_t *r) {
+ * the prefix pass reading them from there. Larger ones are built in the plan itself. Inlined:
+ * out of line, the kernel spilled 120 bytes instead of 700, and the EP2 decode dispatch took
+ * 2-3 us longer (bench/RESULTS.md, 2026-12-02). */
+static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
+                                  const epxc_route_t *r) {
   const int K = s->topk, R = s->nranks, E = s->num_experts;
   const int64_t W = plan->words, T = r->num_tokens, words = (int64_t)(R + E) * W;
   __shared__ uint32_t staged_bits[EPXC_LL_PLAN_WORDS];
