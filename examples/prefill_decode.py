@@ -4,7 +4,7 @@ low-latency path ('ll', fixed shapes, no host sync). With a GPU and epx's CUDA b
 ranks share GPU 0 and each rank's decode step is captured once in a CUDA graph and replayed
 with new tokens; otherwise the same code runs on the CPU backend in a plain loop.
 
-    python examples/prefill_decode.py [--ranks 4] [--prompt 64] [--steps 8]
+    python examples/prefill_decode.py [--ranks 4] [--prompt 64] [--steps 8] [--num-sms 4]
 """
 
 import argparse
@@ -24,6 +24,8 @@ p.add_argument("--topk", type=int, default=4)
 p.add_argument("--prompt", type=int, default=64, help="prefill tokens per rank")
 p.add_argument("--batch", type=int, default=8, help="decode tokens per rank per step")
 p.add_argument("--steps", type=int, default=8)
+p.add_argument("--num-sms", type=int, default=4,
+               help="SM budget of each rank's epx kernels (the ranks share one GPU: see below)")
 p.add_argument("--cpu", action="store_true", help="use the CPU backend even with a GPU")
 a = p.parse_args()
 R, E, H, K = a.ranks, a.experts, a.hidden, a.topk
@@ -56,7 +58,12 @@ def moe(disp, x):
 
 def rank(r):
     g = torch.Generator().manual_seed(r)
-    with world.comm(r, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=a.batch) as comm, torch.no_grad():
+    # A small SM budget: the ranks share one GPU, and while a rank's kernels wait for a late peer
+    # they hold their SMs. With 16 SMs a rank (4 ranks), torch's matmul kernels on the late rank
+    # did not get the SMs they wait for, and its combine arrived after its peers gave up (4 of 5
+    # runs on an H200, 2026-12-02); with 4, none of 5 stalled. One GPU per rank has no such limit.
+    with world.comm(r, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=a.batch, num_sms=a.num_sms) as comm, \
+            torch.no_grad():
         disp = et.FlexTokenDispatcher(comm, mode="prefill", apply_probs_in_combine=True)
         prompt = torch.randn(a.prompt, H, generator=g).to(dev, dtype)
         t0 = time.perf_counter()
