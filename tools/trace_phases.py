@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Phase times from a trace build's output (src/cuda/trace.cuh: -DEPX_LL_TRACE,
--DEPX_NOTIFY_TRACE, -DEPX_EXCHANGE_TRACE), summed up per kind of launch: for each phase, when it ended (us since
-the launch's or the block's start) as min / median / max over the launches seen.
+-DEPX_NOTIFY_TRACE, -DEPX_EXCHANGE_TRACE), summed up per kind of launch: for each phase, when
+it ended (us since the launch's or the block's start) as min / median / max over the launches
+seen.
 
     build-trace/... epx-bench --backend cuda --mode ll --graph ... > ll.txt
     python3 tools/trace_phases.py ll.txt [--skip N]

@@ -21,12 +21,8 @@
 #define EX_TRACE_PRINT(what) trace_print(&ex_trace_, threadIdx.x == 0 && g->rank == 0, "extrace " what, phase)
 #else
 #define EX_TRACE_DECL
-#define EX_TRACE() \
-  do {             \
-  } while (0)
-#define EX_TRACE_PRINT(what) \
-  do {                       \
-  } while (0)
+#define EX_TRACE() EPXC_NO_TRACE
+#define EX_TRACE_PRINT(what) EPXC_NO_TRACE
 #endif
 
 static_assert(sizeof(epxc_slot_t) == sizeof(uint64_t) * (1 + EPXC_SLOT_WORDS), "a mailbox is a flag and its words");

@@ -12,12 +12,8 @@
 #define NOTIFY_TRACE_PRINT() trace_print(&trace_, threadIdx.x == 0 && s.rank == 0, "notifytrace", ticket)
 #else
 #define NOTIFY_TRACE_DECL
-#define NOTIFY_TRACE() \
-  do {                 \
-  } while (0)
-#define NOTIFY_TRACE_PRINT() \
-  do {                       \
-  } while (0)
+#define NOTIFY_TRACE() EPXC_NO_TRACE
+#define NOTIFY_TRACE_PRINT() EPXC_NO_TRACE
 #endif
 
 /* A token whose routing is refused counts nowhere and is in no rank; the refusal is this

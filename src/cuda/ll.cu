@@ -25,12 +25,8 @@
   trace_print(&trace_, threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0, "lltrace " what, 0)
 #else
 #define LL_TRACE_DECL
-#define LL_TRACE() \
-  do {             \
-  } while (0)
-#define LL_TRACE_PRINT(what) \
-  do {                       \
-  } while (0)
+#define LL_TRACE() EPXC_NO_TRACE
+#define LL_TRACE_PRINT(what) EPXC_NO_TRACE
 #endif
 
 /* Waits until *p >= target, on this rank's own memory (the blocks of one launch). */
