@@ -10,7 +10,7 @@ seen.
 A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 7 - start>", marks not taken
 printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
 ..."); notify's blocks ("notifytrace") build, scan and finish, and the last block of a launch
-also meets the peers, derives the receive side and closes. Notify's blocks of one launch are
+also meets the peers and derives the receive side. Notify's blocks of one launch are
 the lines whose starts lie within --window us of the launch's first; its phases are also given
 since that first start, the whole launch as one rank saw it. --skip drops each kind's first N
 launches (warm-up).
@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 
 NOTIFY_KIND = "notifytrace"
-NOTIFY_PHASES = ["built", "scanned", "done", "met the peers", "receive side", "closed"]
+NOTIFY_PHASES = ["built", "scanned", "done", "met the peers", "receive side"]
 NOTIFY_BLOCK_PHASES = 3  # marks every block takes; the rest only the closing block
 LINE = re.compile(r"^(?P<kind>[a-z]+trace[^:]*?) (?P<block>\d+): (?P<start>\d+)(?P<marks>( \d+)*)\s*$")
 

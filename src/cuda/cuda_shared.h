@@ -34,6 +34,7 @@ typedef struct {
   uint64_t status;
   uint64_t plan;       /* epxc_plan_t *: its plan, whose send side the readers take in */
   uint64_t num_tokens;
+  uint64_t counts;     /* int32_t *: this notify's counts (epxc_state_t.notify_counts) */
 } epxc_notify_words_t;
 
 typedef struct { /* high-throughput dispatch */
@@ -104,6 +105,13 @@ typedef struct {
   uint64_t ll_ready;                             /* round whose exchange block 0 has finished */
   int32_t aborted;                               /* a wait failed: every later kernel is a no-op */
   int32_t group_status;                          /* first failure a rank reported in the last exchange */
+  /* Notify: the counts (tokens per rank, then pairs per expert) the peers read, by the parity
+   * of this rank's notify launches. A rank is at most one notify ahead of a peer still reading
+   * its last one (its next notify's exchange waits for that peer to have finished), so the
+   * older copy is free again by then: no exchange closes a notify. They live with the comm,
+   * not the handle, so a handle destroyed right after its notify frees nothing a peer reads. */
+  uint64_t notifies;                             /* notify launches of this rank */
+  int32_t notify_counts[2][EPX_MAX_RANKS + EPX_MAX_EXPERTS];
 } epxc_state_t;
 
 /* Per rank, in host-mapped memory so the host reads it without a sync, and peers' kernels
@@ -130,8 +138,7 @@ _Static_assert(sizeof(epxc_error_t) * EPX_MAX_RANKS <= 4096, "every rank's error
 #endif
 
 typedef enum {
-  EPXC_PH_NOTIFY = 0,
-  EPXC_PH_NOTIFY_DONE,
+  EPXC_PH_NOTIFY = 0, /* notify has no closing exchange (epxc_state_t.notify_counts) */
   EPXC_PH_DISPATCH,
   EPXC_PH_DISPATCH_DONE,
   EPXC_PH_COMBINE,
@@ -355,8 +362,8 @@ int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, c
                   const epxc_stamp_t *stamp, void *stream);
 
 /* notify, in one launch: normalise and validate the routing into the plan (bitmaps, prefix
- * popcounts, counts), meet the peers (plan pointers and statuses), derive the receive side and
- * close with the exchange that tells the peers this rank has read their plans. */
+ * popcounts, counts), meet the peers (plan pointers, counts and statuses) and derive the
+ * receive side. */
 int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
                 const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream);
 

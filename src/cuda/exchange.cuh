@@ -251,9 +251,10 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
   return !ex_failed;
 }
 
-/* Out of line: notify's kernel meets the peers twice, and with both copies inlined (nvcc 13.0,
- * sm_90) threads past nranks loaded a mailbox flag at address 0 in the second (found with
- * compute-sanitizer; a call per exchange costs nothing next to its wait). A kernel that calls
+/* Out of line: with two copies of it inlined in one kernel (notify's, when it still closed with
+ * a second exchange; nvcc 13.0, sm_90) threads past nranks loaded a mailbox flag at address 0
+ * in the second (found with compute-sanitizer); a call per exchange costs nothing next to its
+ * wait. A kernel that calls
  * it takes its group as a __grid_constant__ parameter: passing the address of a plain one
  * makes every thread copy the 1 KB group to local memory first. */
 static __device__ __noinline__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,

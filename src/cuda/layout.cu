@@ -3,8 +3,8 @@
 #include "cuda/exchange.cuh"
 
 /* Build with -DEPX_NOTIFY_TRACE to have every block of rank 0's notify print when its phases
- * ended (trace.cuh): started, built, scanned, done; the last block also met the peers,
- * derived the receive side and closed. */
+ * ended (trace.cuh): started, built, scanned, done; the last block also met the peers and
+ * derived the receive side. */
 #ifdef EPX_NOTIFY_TRACE
 #include "cuda/trace.cuh"
 #define NOTIFY_TRACE_DECL epxc_trace_t trace_ = {{0}, 0}
@@ -69,8 +69,8 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
  * (32 tokens, a lane each), and publishes its rows' popcounts over those words. Its prefix
  * popcounts then need only the sums of the tickets before it: a block waits only for blocks
  * that started before it, so no launch-wide barrier, and nothing depends on how many blocks
- * are resident. The last block to finish meets the peers, derives the receive side (finish)
- * and closes. Nothing is cleared beforehand: every word in use is written whole. */
+ * are resident. The last block to finish meets the peers and derives the receive side
+ * (finish). Nothing is cleared beforehand: every word in use is written whole. */
 
 /* What follows a scan header (epxc_scan_t): the tickets' ready flags, then their sums. */
 static __device__ __forceinline__ uint64_t *scan_ready(epxc_scan_t *scan) { return (uint64_t *)(scan + 1); }
@@ -171,11 +171,12 @@ static __device__ void build_ticket(const epxc_shape_t *s, epxc_plan_t *plan, co
 }
 
 /* Publishes ticket i's popcounts, waits (bounded) for every earlier ticket's, and adds their sum
- * to this ticket's prefix popcounts; the last ticket writes the counts (the rows' totals).
+ * to this ticket's prefix popcounts; the last ticket writes the counts (the rows' totals), in
+ * the plan and in the copy the peers read (posted_counts).
  * Tickets before i were taken by blocks already running, which wait for none after them. */
 static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan,
                                    uint64_t launch, int i, int64_t first, int64_t last, int32_t *carry,
-                                   int32_t *off) {
+                                   int32_t *off, int32_t *posted_counts) {
   const int R = s->nranks, rows = R + s->num_experts, tid = threadIdx.x;
   uint64_t *ready = scan_ready(scan);
   int32_t *sums = scan_sums(scan, gridDim.x);
@@ -200,7 +201,7 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
     int32_t o = 0;
     for (int j = 0; j < i; j++) o += ((volatile int32_t *)sums)[(int64_t)j * rows + row];
     off[row] = o;
-    if (i == (int)gridDim.x - 1) plan->counts[row] = o + carry[row];
+    if (i == (int)gridDim.x - 1) plan->counts[row] = posted_counts[row] = o + carry[row];
   }
   __syncthreads();
   /* the earlier tickets' sums into this ticket's words: EPXC_SCAN_BATCH words a thread loaded
@@ -291,53 +292,72 @@ static __device__ int64_t block_scan(const int32_t *in, int n, int align, int64_
 
 /* This rank's receive budget over its local experts in ascending order (docs/design.md,
  * "Receive budget"): expert l keeps keep_l = min(n_l, floor(max(B - start_l, 0) / align) *
- * align) of its n_l pairs (pairs_local on entry, keep_l on return), start_l being the rows of
- * the blocks before it: the first keep_l in (source, token) order, so source q keeps
- * clamp(keep_l - base_{l,q}, 0, pairs_{l,q}) of its own (kept). Without a budget every pair
- * is kept. On entry pair_base holds base_{l,q}, not yet the block start. */
-static __device__ void apply_budget(const epxc_shape_t *s, epxc_plan_t *plan, const int32_t *pairs) {
-  const int R = s->nranks, L = s->num_local, tid = threadIdx.x;
+ * align) of its n_l pairs (local[l], shared memory, on entry; keep_l on return), start_l being
+ * the rows of the blocks before it: the first keep_l in (source, token) order, so source q
+ * keeps clamp(keep_l - base_{l,q}, 0, pairs_{l,q}) of its own (see finish_block). Without a
+ * budget every pair is kept. Returns the pairs dropped. */
+static __device__ int64_t apply_budget(const epxc_shape_t *s, int32_t *local) {
+  const int L = s->num_local;
   const int64_t B = s->recv_budget, align = s->align;
-  if (tid == 0) {
-    int64_t used = 0, dropped = 0;
+  __shared__ int64_t dropped;
+  if (threadIdx.x == 0) {
+    int64_t used = 0, lost = 0;
     for (int l = 0; l < L && B > 0; l++) { /* a prefix over the experts: one thread, and only with a budget */
-      const int64_t want = plan->pairs_local[l], room = B - used > 0 ? (B - used) / align * align : 0;
+      const int64_t want = local[l], room = B - used > 0 ? (B - used) / align * align : 0;
       const int64_t keep = want < room ? want : room;
       used += (keep + align - 1) / align * align;
-      dropped += want - keep;
-      plan->pairs_local[l] = (int32_t)keep;
+      lost += want - keep;
+      local[l] = (int32_t)keep;
     }
-    plan->dropped = dropped;
+    dropped = lost;
   }
   __syncthreads();
-  for (int i = tid; i < L * R && plan->kept; i += blockDim.x) {
-    const int64_t k = plan->pairs_local[i / R] - plan->pair_base[i];
-    plan->kept[i] = k <= 0 ? 0 : k < pairs[i] ? (int32_t)k : pairs[i];
-  }
+  return dropped;
 }
 
-/* After the exchange of plan pointers (notify words): every rank's send side as this rank reads it,
- * then the receive side, from every rank's counts. The peers' counts are read once, by all the
- * threads at once, into shared memory; the sums over ranks, experts and rows are block scans:
- * a decode step's whole notify is a few round trips. */
-static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, epxc_plan_t *plan) {
+/* Shared memory finish_block takes, in the space the build used (it has finished by then):
+ * block[L + 1] (int64), then tokens[R * R], pairs[L * R], own[R + E] and local[L] (int32). */
+static __host__ __device__ size_t finish_smem_bytes(int R, int E) {
+  const int L = E / R;
+  return sizeof(int64_t) * (L + 1) + sizeof(int32_t) * ((size_t)R * R + (size_t)L * R + R + E + L);
+}
+
+/* After the exchange of plan pointers (notify words): every rank's send side as this rank reads
+ * it, then the receive side, from every rank's counts. The counts are read once, by all the
+ * threads at once, into shared memory, from the copies the ranks posted
+ * (epxc_state_t.notify_counts: a peer already in its next notify rewrites its plan's, not
+ * those); every sum over ranks, experts and rows is then a block scan in shared memory, and
+ * the plan's arrays are written once at the end: a few round trips in all. */
+static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, epxc_plan_t *plan, void *smem) {
   const epxc_shape_t s = *sp;
   const epxc_state_t *st = g->state[g->rank];
-  const int R = s.nranks, L = s.num_local, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
+  const int R = s.nranks, L = s.num_local, E = s.num_experts, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
   __shared__ int stop;
-  __shared__ int32_t tokens[EPX_MAX_RANKS * EPX_MAX_RANKS]; /* [q * R + d]: q's tokens for d */
-  __shared__ int32_t pairs[EPX_MAX_EXPERTS];                /* [l * R + q]: q's pairs of local expert l */
+  __shared__ const int32_t *posted[EPX_MAX_RANKS];
+  int64_t *const block = (int64_t *)smem;              /* [l]: first row of local expert l's block */
+  int32_t *const tokens = (int32_t *)(block + L + 1);  /* [q * R + d]: q's tokens for d */
+  int32_t *const pairs = tokens + R * R;               /* [l * R + q]: q's pairs of local expert l */
+  int32_t *const own = pairs + L * R;                  /* this rank's counts */
+  int32_t *const local = own + R + E;                  /* [l]: local expert l's pairs, then those kept */
+  /* the plan's arrays, read once: a store through one could otherwise be to *plan */
+  int64_t *const pair_base = plan->pair_base, *const block_out = plan->block, *const pair_send_base = plan->pair_send_base;
+  int32_t *const pairs_local = plan->pairs_local, *const kept = plan->kept;
   if (tid == 0) {
-    stop = st->aborted;
-    plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
-    if (plan->group_status) plan->num_recv = plan->num_rows = plan->num_pairs = 0;
+    const int status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
+    plan->group_status = status;
+    if (status) plan->num_recv = plan->num_rows = plan->num_pairs = 0;
+    stop = status != EPX_SUCCESS;
   }
   __syncthreads();
-  if (stop || plan->group_status) return;
-  if (tid < R) peer_view(g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
+  if (stop) return; /* the payloads may then be an earlier exchange's: nothing of them is read */
+  if (tid < R) {
+    peer_view(g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
+    posted[tid] = (const int32_t *)peer_ptr(g, tid, st->got[tid].notify.counts);
+  }
   __syncthreads();
-  for (int i = tid; i < R * R; i += nt) tokens[i] = plan->peer[i / R].counts[i % R];
-  for (int i = tid; i < L * R; i += nt) pairs[i] = plan->peer[i % R].counts[R + me * L + i / R];
+  for (int i = tid; i < R * R; i += nt) tokens[i] = posted[i / R][i % R];
+  for (int i = tid; i < L * R; i += nt) pairs[i] = posted[i % R][R + me * L + i / R];
+  for (int i = tid; i < R + E; i += nt) own[i] = posted[me][i];
   __syncthreads();
   if (tid < R) {
     int64_t tb = 0, db = 0;
@@ -347,61 +367,76 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
     plan->dest_base[tid] = db;
   }
   for (int l = tid; l < L; l += nt) {
-    int64_t n = 0;
-    for (int q = 0; q < R; q++) {
-      plan->pair_base[(int64_t)l * R + q] = n; /* block start added below */
-      n += pairs[l * R + q];
-    }
-    plan->pairs_local[l] = (int32_t)n;
+    int32_t n = 0;
+    for (int q = 0; q < R; q++) n += pairs[l * R + q];
+    local[l] = n;
   }
   __syncthreads();
-  apply_budget(&s, plan, pairs);
-  __syncthreads();
-  const int64_t rows = s.ll ? 0 : block_scan(plan->pairs_local, L, s.align, plan->block);
+  const int64_t dropped = apply_budget(&s, local);
+  const int64_t rows = s.ll ? 0 : block_scan(local, L, s.align, block);
   if (s.ll)
-    for (int l = tid; l < L; l += nt) plan->block[l] = (int64_t)l * R * s.max_tokens;
-  const int64_t num_pairs = block_scan(plan->pairs_local, L, 1, NULL);
-  const int64_t sent = block_scan(plan->counts, R, 1, plan->send_base);
-  const int64_t pairs_sent = block_scan(plan->counts + R, s.num_experts, 1, plan->pair_send_base);
+    for (int l = tid; l < L; l += nt) block[l] = (int64_t)l * R * s.max_tokens;
+  const int64_t num_pairs = block_scan(local, L, 1, NULL);
+  const int64_t sent = block_scan(own, R, 1, plan->send_base);
+  const int64_t pairs_sent = block_scan(own + R, E, 1, pair_send_base);
   if (tid == 0) {
     int64_t recv = 0;
     for (int q = 0; q < R; q++) recv += tokens[q * R + me];
-    plan->block[L] = s.ll ? (int64_t)L * R * s.max_tokens : rows;
-    plan->pair_send_base[s.num_experts] = pairs_sent;
+    const int64_t all_rows = s.ll ? (int64_t)L * R * s.max_tokens : rows;
+    block_out[L] = all_rows;
+    pair_send_base[E] = pairs_sent;
+    plan->dropped = dropped;
     plan->num_recv = recv;
     plan->num_pairs = num_pairs;
-    plan->num_rows = s.expert_layout ? plan->block[L] : recv;
+    plan->num_rows = s.expert_layout ? all_rows : recv;
     plan->sent_copies = sent;
   }
+  for (int l = tid; l < L; l += nt) {
+    pairs_local[l] = local[l];
+    block_out[l] = block[l];
+  }
+  /* source q's pairs of local expert l start at base_{l,q} = its predecessors' in the block */
+  for (int i = tid; i < L * R; i += nt) {
+    const int l = i / R, q = i % R;
+    int64_t base = 0;
+    for (int p = 0; p < q; p++) base += pairs[l * R + p];
+    pair_base[i] = block[l] + base;
+    if (kept) {
+      const int64_t k = local[l] - base;
+      kept[i] = k <= 0 ? 0 : k < pairs[i] ? (int32_t)k : pairs[i];
+    }
+  }
   __syncthreads();
-  for (int i = tid; i < L * R; i += nt) plan->pair_base[i] += plan->block[i / R];
 }
 
 /* Notify in one launch (see above): build and prefix popcounts over every block, then the
- * block that finished last meets the peers (plan pointers and statuses), derives the receive
- * side and closes with the exchange that tells the peers it has read their plans. */
+ * block that finished last meets the peers (plan pointers, counts and statuses) and derives
+ * the receive side. */
 static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
     notify_kernel(epxc_shape_t s, const __grid_constant__ epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan,
                   epxc_route_t r, epxc_stamp_t stamp, int ncols) {
   NOTIFY_TRACE_DECL;
   NOTIFY_TRACE(); /* 0: started */
-  extern __shared__ uint32_t notify_smem[];
+  extern __shared__ __align__(16) uint32_t notify_smem[];
   const int rows = s.nranks + s.num_experts;
   uint32_t *cols = notify_smem;                           /* [ncols, rows]: a pass's words, a column per warp */
   int32_t *carry = (int32_t *)(cols + (int64_t)ncols * rows); /* [rows]: this ticket's popcounts */
   int32_t *off = carry + rows;                            /* [rows]: the earlier tickets' */
   __shared__ int ticket;
-  __shared__ uint64_t launch;
+  __shared__ uint64_t launch, nth;
+  epxc_state_t *st = g.state[g.rank];
   if (threadIdx.x == 0) {
     ticket = (int)atomicAdd(&scan->ticket, 1u);
     launch = *(volatile uint64_t *)&scan->epoch + 1;
+    nth = st->notifies; /* the closer advances it only after every block has read it */
   }
   __syncthreads();
+  int32_t *const posted_counts = st->notify_counts[nth & 1];
   const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
   const int64_t first = ticket_first(used, gridDim.x, ticket), last = ticket_first(used, gridDim.x, ticket + 1);
   build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry);
   NOTIFY_TRACE(); /* 1: built */
-  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off) && threadIdx.x == 0) {
+  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off, posted_counts) && threadIdx.x == 0) {
     record_error(&g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g.rank, (int64_t)(g.timeout_ns / 1000000));
     g.state[g.rank]->aborted = 1; /* this rank stops; the exchanges below post nothing */
   }
@@ -416,14 +451,12 @@ static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
   words.notify.status = (uint64_t)(uint32_t)plan->status;
   words.notify.plan = (uint64_t)(uintptr_t)plan;
   words.notify.num_tokens = (uint64_t)r.num_tokens;
+  words.notify.counts = (uint64_t)(uintptr_t)posted_counts;
   exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp);
+  if (threadIdx.x == 0) st->notifies = nth + 1;
   NOTIFY_TRACE(); /* 4: met the peers */
-  finish_block(&s, &g, plan);
+  finish_block(&s, &g, plan, notify_smem);
   NOTIFY_TRACE(); /* 5: receive side */
-  const epxc_words_t none = {{0}};
-  const epxc_stamp_t closing = {{0}};
-  exchange_block(&g, EPXC_PH_NOTIFY_DONE, &none, closing);
-  NOTIFY_TRACE(); /* 6: closed */
   NOTIFY_TRACE_PRINT();
 }
 
@@ -436,7 +469,9 @@ static int notify_columns(int rows) {
 extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
                            const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream) {
   const int rows = s->nranks + s->num_experts, ncols = notify_columns(rows);
-  const size_t smem = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows;
+  const size_t build = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows,
+               finish = finish_smem_bytes(s->nranks, s->num_experts), smem = build > finish ? build : finish;
+  /* finish's need is largest at one rank with EPX_MAX_EXPERTS experts: 82 KB, within EPXC_NOTIFY_SMEM */
   /* a ticket's look-back gives each earlier ticket a thread: no more blocks than threads */
   const int blocks = s->num_sms < EPXC_NOTIFY_THREADS ? s->num_sms : EPXC_NOTIFY_THREADS;
   notify_kernel<<<blocks, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp, ncols);

@@ -1,7 +1,7 @@
 /* What the exchange-framed algorithms (high-throughput, all-to-all) share. Notify builds this
- * rank's plan, meets the peers in one exchange (plan pointers and statuses), derives the
- * receive side and closes; dispatch and combine each open with an exchange of what peers pull
- * and close with one that tells the peers this rank has finished reading theirs. */
+ * rank's plan, meets the peers in one exchange (plan pointers, counts and statuses) and
+ * derives the receive side; dispatch and combine each open with an exchange of what peers
+ * pull and close with one that tells the peers this rank has finished reading theirs. */
 #include <stdio.h>
 #include <string.h>
 
@@ -173,20 +173,21 @@ epx_status_t framed_combine_close(epx_comm_t *c, cuda_handle_t *ch, const epxc_s
 }
 
 /* The peers' operations are exchange-framed: post this rank's status in the opening exchange
- * (the peers then skip their work) and join the closing one. A sync-free notify + dispatch
+ * (the peers then skip their work) and join the closing one, where there is one. A sync-free notify + dispatch
  * is two operations to the peers; an exact notify already stops them after the first.
  * Without a handle (h NULL) the peers' mode is taken to be the comm's last handle's. */
 epx_status_t framed_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status, cudaStream_t st) {
   cuda_comm_t *cc = CC(c);
-  static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
+  enum { NONE = -1 }; /* notify has no closing exchange */
+  static const int phases[][2] = {[EPXI_OP_NOTIFY] = {EPXC_PH_NOTIFY, NONE},
                                   [EPXI_OP_DISPATCH] = {EPXC_PH_DISPATCH, EPXC_PH_DISPATCH_DONE},
-                                  [EPXI_OP_NOTIFY_DISPATCH] = {EPXC_PH_NOTIFY, EPXC_PH_NOTIFY_DONE},
+                                  [EPXI_OP_NOTIFY_DISPATCH] = {EPXC_PH_NOTIFY, NONE},
                                   [EPXI_OP_COMBINE] = {EPXC_PH_COMBINE, EPXC_PH_COMBINE_DONE}};
   epxc_words_t words = {{0}};
   words.status = (uint64_t)(uint32_t)status;
   const epxc_stamp_t stamp = stamp_of(c);
   LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][0], &words, NULL, &stamp, st), "exchange");
-  LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, NULL, st), "exchange");
+  if (phases[op][1] != NONE) LAUNCH_TRY(epxc_exchange(&cc->group, phases[op][1], NULL, NULL, NULL, st), "exchange");
   const bool sync_free = h ? !h->hc.exact : cc->last_sync_free;
   if (op == EPXI_OP_NOTIFY_DISPATCH && sync_free) {
     LAUNCH_TRY(epxc_exchange(&cc->group, EPXC_PH_DISPATCH, &words, NULL, &stamp, st), "exchange");

@@ -8,7 +8,7 @@
 #include "cuda/backend.h"
 
 static const char *const phase_names[EPXC_PH_COUNT] = {
-    [EPXC_PH_NOTIFY] = "notify",       [EPXC_PH_NOTIFY_DONE] = "notify (closing)",
+    [EPXC_PH_NOTIFY] = "notify",
     [EPXC_PH_DISPATCH] = "dispatch",   [EPXC_PH_DISPATCH_DONE] = "dispatch (closing)",
     [EPXC_PH_COMBINE] = "combine",     [EPXC_PH_COMBINE_DONE] = "combine (closing)",
     [EPXC_PH_LL_DISPATCH] = "low-latency dispatch", [EPXC_PH_LL_COMBINE] = "low-latency combine",

@@ -42,23 +42,23 @@ def test_notify_blocks_cut_into_launches():
     mod = _tool()
     g = rng(1)
     blocks, launches = int(g.integers(2, 17)), int(g.integers(2, 6))
-    lines, closer_closed = [], []
+    lines, closer_done = [], []
     for L in range(launches):
         first = 5 * 10**9 + L * 10**7  # launches 10 ms apart; blocks start within 2 us
         for b in g.permutation(blocks):  # blocks print in any order
             start = first + int(g.integers(0, 2000)) if b else first
             marks = sorted(int(x) for x in g.integers(1000, 40000, 3))
-            if b == blocks - 1:  # the closing block's three more marks
-                marks += sorted(int(x) for x in g.integers(40000, 90000, 3))
-                closer_closed.append((start - first + marks[-1]) / 1000)
+            if b == blocks - 1:  # the closing block's two more marks
+                marks += sorted(int(x) for x in g.integers(40000, 90000, 2))
+                closer_done.append((start - first + marks[-1]) / 1000)
             lines.append(_line("notifytrace", int(b), start, marks))
     rows = mod.summarise(mod.parse(lines), skip=1)
     assert rows[0].startswith(f"notify: {launches - 1} launches, {(launches - 1) * blocks} block lines")
-    closed = rows[1 + mod.NOTIFY_PHASES.index("closed")]
-    want = closer_closed[1:]
-    since_launch = closed.split("|")[1].split("(")[0].strip()
+    done = rows[1 + mod.NOTIFY_PHASES.index("receive side")]
+    want = closer_done[1:]
+    since_launch = done.split("|")[1].split("(")[0].strip()
     assert since_launch == f"{min(want):.1f} / {statistics.median(want):.1f} / {max(want):.1f}"
-    assert "(every block)" in rows[1] and "(the last block)" in closed
+    assert "(every block)" in rows[1] and "(the last block)" in done
 
 
 def test_no_trace_lines(tmp_path, capsys):
