@@ -269,8 +269,11 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     const int64_t T = route.num_tokens;
     if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
     LL_TRACE(); /* 1: planned */
+    /* the other blocks stage while block 0 plans: its share would come only after its plan */
+    const int block_warps = blockDim.x / EPXC_WARP;
     const slicing_t sl = slicing(T, H);
-    for (int i = (int)warp_global(); T <= s.max_tokens && i < (int)T * sl.count; i += (int)warp_count()) {
+    for (int i = (int)warp_global() - block_warps; blockIdx.x != 0 && T <= s.max_tokens && i < (int)T * sl.count;
+         i += (int)warp_count() - block_warps) {
       const int t = i / sl.count, c = (i - t * sl.count) * sl.width, w = min(sl.width, H - c);
       const void *in = (const char *)a.x + slice_offset(a.x_dtype, t, H, c);
       void *dst = (char *)ll->stage[p] + slice_offset(stage_dtype, t, H, c);
