@@ -57,6 +57,7 @@ run() { # name, command...
 
 if want tests; then
   run test_cuda_faults timeout 180 "$build/tests/gpu/test_cuda_faults"
+  run test_cuda_notify timeout 180 "$build/tests/gpu/test_cuda_notify"
   for mode in ht ll ll-split; do
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
