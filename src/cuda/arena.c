@@ -32,8 +32,11 @@ size_t arena_size(const epx_comm_t *c, int sharing, size_t device_bytes) {
   const size_t ht = plan + 4 * T * H + 4 * R * T * (H + K);
   /* all-to-all: send, staging, pulled-back and partial rows, T * K of each, scales and weights */
   const size_t a2a = plan + T * K * (16 * H + 8 * B + 12);
-  /* low-latency: its own plan and two of everything else */
-  const size_t ll = plan + 2 * (plan + 4 * T * (H + B) + 4 * R * T * H + 4 * L * R * T);
+  /* low-latency: the routing per half, and two inboxes per half and source, each row float32
+   * at its widest, with a record per token (epxc_ll_layout) */
+  const epxc_ll_layout_t y = epxc_ll_layout((int)L, (int)K, (int64_t)T, (int)H);
+  const size_t ll = 2 * (8 * T * K + 4 * R * W + 4 * L * R + 2 * ARENA_ALIGN) + 2 * R * (y.region + y.combine_region) +
+                    ARENA_ALIGN;
   const size_t largest = ht > a2a ? (ht > ll ? ht : ll) : (a2a > ll ? a2a : ll);
   const size_t need = round_up(sizeof(epxc_state_t), ARENA_ALIGN) + 2 * largest;
   const size_t cap = device_bytes / (2 * (size_t)(sharing > 0 ? sharing : 1));

@@ -76,6 +76,8 @@ typedef struct {
   const struct cuda_algo *last_algo;
   bool last_sync_free;
   uint64_t last_send;       /* the call number of this rank's last SEND half, made or refused (0: none) */
+  uint64_t ll_inbox_key[EPXC_LL_INBOXES]; /* the ids of the low-latency handles whose inboxes the state
+                                             publishes (epxc_state_t.ll_inbox), 0: free */
 } cuda_comm_t;
 
 /* How a comm's peers reach its memory and it theirs. open makes the arena (chunk 0, `bytes`),
@@ -128,11 +130,11 @@ typedef struct {
   size_t ipc_x_bytes;
   float *ipc_wgrad;          /* across processes: combine's row weight gradients, likewise */
   size_t ipc_wgrad_bytes;
-  /* low-latency: the device state, the host's copy of its pointers, and the routing that
+  /* low-latency: the buffers (their device counters at ll.dev), and the routing that
    * epx_notify recorded for the next dispatch (planning happens inside that dispatch) */
-  epxc_ll_t *ll_dev;
-  epxc_ll_t ll;
-  epxc_plan_t ll_plan[2];
+  epxc_ll_bufs_t ll;
+  epxc_ll_inbox_t ll_entry; /* its inboxes as the comm's state publishes them (the upload's source) */
+  bool ll_published;       /* the state holds ll_entry (at ll.id % EPXC_LL_INBOXES) */
   epx_routing_t ll_route;
   bool ll_route_pending, ll_dispatched;
   epxc_dispatch_t ll_send_dispatch; /* what a SEND half passed: its COMPLETE uses the same */
@@ -149,7 +151,10 @@ typedef struct {
  * everything. */
 struct cuda_algo {
   const char *name;
-  epx_status_t (*create)(const epx_comm_t *c, cuda_handle_t *ch, cudaStream_t st); /* optional */
+  /* optional: what the algorithm makes with a handle (h->impl is ch), and gives back when it
+   * goes, the device idle for it (destroy also runs after a create that failed half way) */
+  epx_status_t (*create)(const epx_handle_t *h, cuda_handle_t *ch, cudaStream_t st);
+  void (*destroy)(const epx_handle_t *h, cuda_handle_t *ch, cudaStream_t st);
   epx_status_t (*notify)(epx_comm_t *c, epx_handle_t *h, const epx_routing_t *r);
   epx_status_t (*dispatch)(epx_comm_t *c, epx_handle_t *h, const epx_dispatch_args_t *a, const epxc_shape_t *s,
                            epxc_dispatch_t *d, cudaStream_t st);
@@ -253,8 +258,6 @@ epxc_stamp_t stamp_of(const epx_comm_t *c);
  * probabilities); not a replay. */
 epxc_route_t route_of(const epx_routing_t *r);
 epx_status_t op_begin(epx_comm_t *c, cuda_handle_t *ch, cudaStream_t *st);
-epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st);
-void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p);
 epx_status_t cuda_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_status_t status);
 
 /* The exchange-framed algorithms (high-throughput, all-to-all): notify builds the plan and

@@ -20,7 +20,6 @@
  * registers each, fill an SM exactly. */
 #define EPXC_LL_THREADS 512
 #define EPXC_LL_BLOCKS_PER_SM 2
-#define EPXC_LL_PLAN_WORDS 4096 /* bitmap words a low-latency plan builds in shared memory: (R + E) x W */
 #define EPXC_EXCHANGE_THREADS 64    /* the one-block exchange kernel: thread r talks to rank r */
 #define EPXC_LAYOUT_THREADS 256     /* layout: a thread per token */
 #define EPXC_NOTIFY_THREADS 512     /* notify: a warp builds a bitmap word (32 tokens); its last block

@@ -47,12 +47,10 @@ typedef struct { /* all-to-all dispatch: the send buffer (epxc_a2a_t) destinatio
   uint64_t send_x, send_scales, send_token, send_weight;
 } epxc_a2a_dispatch_words_t;
 
-typedef struct { /* low-latency dispatch */
-  uint64_t status;     /* the routing's (plan->status) */
-  uint64_t plan;       /* epxc_plan_t * of this call's parity */
-  uint64_t stage, stage_scales; /* this rank's tokens as staged, and their fp8 scales */
-  uint64_t stage_dtype; /* epx_dtype_t the tokens were staged in */
-} epxc_ll_dispatch_words_t;
+typedef struct { /* low-latency dispatch and combine: the data came before, pushed (ll.cu) */
+  uint64_t status;
+  uint64_t parity;     /* the half of every peer's inbox this rank pushed into */
+} epxc_ll_words_t;
 
 typedef struct { /* every combine (high-throughput, all-to-all, low-latency) */
   uint64_t status;
@@ -66,7 +64,7 @@ typedef union {
   epxc_notify_words_t notify;
   epxc_ht_dispatch_words_t ht_dispatch;
   epxc_a2a_dispatch_words_t a2a_dispatch;
-  epxc_ll_dispatch_words_t ll_dispatch;
+  epxc_ll_words_t ll;
   epxc_combine_words_t combine;
 } epxc_words_t;
 
@@ -94,15 +92,28 @@ typedef struct {
 enum { EPXC_VERDICT_DONE = 0, EPXC_VERDICT_DECIDING = 1, EPXC_VERDICT_GAVE_UP = 2 };
 #define EPXC_VERDICT(epoch, v) (((uint64_t)(epoch) << 2) | (uint64_t)(v))
 
+/* A low-latency handle's inboxes as its rank publishes them in its state: sources push rows
+ * there before they post, so they must find them without an exchange. */
+#define EPXC_LL_INBOXES 64
+typedef struct {
+  uint64_t key;            /* the handle's id (from 1) while it lives, 0: free */
+  uint64_t dispatch_inbox; /* the owner's addresses (peers reach them through peer_ptr) */
+  uint64_t combine_inbox;
+  uint64_t shape[2];       /* epxc_ll_shape_key: a pusher's shape must be the same */
+} epxc_ll_inbox_t;
+
 /* Per rank, in its device memory; peers write its mailboxes. */
 typedef struct {
   epxc_slot_t post[2][EPX_MAX_RANKS];            /* [exchange parity][source rank] */
   epxc_words_t got[EPX_MAX_RANKS];               /* last exchange's payloads, copied here */
   uint64_t seq;                                  /* exchanges this rank has entered */
   /* low-latency kernels: blocks of one launch meet through these (see ll.cu) */
-  uint64_t ll_rounds;                            /* launches whose blocks have all arrived */
-  uint64_t ll_arrived;                           /* block arrivals, cumulative */
-  uint64_t ll_ready;                             /* round whose exchange block 0 has finished */
+  uint32_t ll_arrivals;                          /* blocks of the running launch that have pushed */
+  uint32_t pad_;
+  uint64_t ll_ready;                             /* exchange whose verdict block 0 has recorded */
+  /* where peers push to this rank's low-latency handles: the entry of handle id i is at
+   * i % EPXC_LL_INBOXES (ll_create; a live handle holding it refuses another) */
+  epxc_ll_inbox_t ll_inbox[EPXC_LL_INBOXES];
   int32_t aborted;                               /* a wait failed: every later kernel is a no-op */
   int32_t group_status;                          /* first failure a rank reported in the last exchange */
   /* Notify: the counts (tokens per rank, then pairs per expert) the peers read, by the parity
@@ -298,21 +309,91 @@ typedef struct {
   float *stage_weight;
 } epxc_a2a_t;
 
-/* The low-latency path's per-handle device state. Plans, staging and partial buffers come in
- * pairs, chosen by the parity of device-side call counts, so back-to-back calls and graph
- * replays never overwrite what a peer may still be reading. */
+/* The low-latency path (ll.cu). Sources push: each writes its tokens' rows, and what the
+ * destination needs to place them, into the destination's inbox, then posts; so every buffer
+ * peers write is an inbox, double-buffered by the parity of the writer's own call count (the
+ * parity travels in its post, epxc_ll_words_t), and a writer is at most one call ahead of a
+ * reader of the older half (it cannot post call n + 1 before every peer has posted call n,
+ * which each does only once it finished with call n - 1).
+ *
+ * The dispatch inbox holds a region per (half, source): a header (the source's token count,
+ * its pairs per local expert of this rank, which of its tokens come here), a record per token
+ * (epxc_ll_meta_t), the rows in the type they were staged in, and fp8 scales. The combine
+ * inbox holds a region per (half, expert owner): each token's partial, then the row weight
+ * gradients of its slots. */
+#define EPXC_LL_SLOTS 16 /* slots a token's record holds: at least EPXC_MAX_TOPK */
 typedef struct {
-  epxc_plan_t *plan[2];
-  void *stage[2];          /* [max_tokens, H]: this rank's tokens, in the receive type (or x's) */
-  float *stage_scales[2];  /* fp8: [max_tokens, blocks] */
-  void *partials[2];       /* [R * max_tokens, H]: combine partials, row (source, token) */
-  float *wgrad[2];         /* across processes, [L * R * max_tokens]: the caller's row weight
-                              gradients copied where peers reach them; NULL in one process */
+  int32_t n;                        /* the token's slots that chose an expert of this rank */
+  int32_t pad_[3];
+  int32_t slot[EPXC_LL_SLOTS];      /* local expert | source slot << 16, local experts ascending */
+  int32_t ord[EPXC_LL_SLOTS];       /* the token's place among its source's tokens of that expert */
+  float weight[EPXC_LL_SLOTS];      /* its routing weight */
+} epxc_ll_meta_t;
+
+typedef struct {
+  size_t counts, rbits, meta, rows, scales, region; /* dispatch: offsets in a region, its size */
+  size_t wgrad, combine_region;                     /* combine: the same (its rows at 0) */
+  size_t row_bytes;                                 /* a staged row at its widest (float32) */
+} epxc_ll_layout_t;
+
+#ifdef __CUDACC__
+#define EPXC_HD __host__ __device__
+#else
+#define EPXC_HD
+#endif
+
+static inline EPXC_HD size_t epxc_ll_round(size_t n) { return (n + 255) / 256 * 256; }
+
+static inline EPXC_HD epxc_ll_layout_t epxc_ll_layout(int L, int K, int64_t M, int H) {
+  epxc_ll_layout_t y;
+  const size_t W = (size_t)(M + 31) / 32, B = (size_t)(H + 127) / 128;
+  y.row_bytes = sizeof(float) * (size_t)H;
+  y.counts = 16;
+  y.rbits = y.counts + sizeof(int32_t) * (size_t)L;
+  y.meta = epxc_ll_round(y.rbits + sizeof(uint32_t) * W);
+  y.rows = epxc_ll_round(y.meta + sizeof(epxc_ll_meta_t) * (size_t)M);
+  y.scales = epxc_ll_round(y.rows + y.row_bytes * (size_t)M);
+  y.region = epxc_ll_round(y.scales + sizeof(float) * B * (size_t)M);
+  y.wgrad = epxc_ll_round(y.row_bytes * (size_t)M);
+  y.combine_region = epxc_ll_round(y.wgrad + sizeof(float) * (size_t)K * (size_t)M);
+  return y;
+}
+
+/* What a pusher and the inbox's owner must agree on (epxc_ll_inbox_t.shape). */
+static inline EPXC_HD void epxc_ll_shape_key(int R, int L, int K, int64_t M, int H, uint64_t key[2]) {
+  key[0] = ((uint64_t)M << 32) | (uint32_t)H;
+  key[1] = ((uint64_t)(uint32_t)R << 40) | ((uint64_t)(uint32_t)L << 16) | (uint32_t)K;
+}
+
+/* Per call half: what a dispatch leaves for the next dispatch (a replay) and for the combine. */
+typedef struct {
+  int64_t num_tokens;
+  int32_t status;       /* this rank's routing: its first problem, EPX_SUCCESS if none */
+  int32_t group_status; /* the dispatch's verdict: what it placed is void unless 0 */
+  int32_t parity[EPX_MAX_RANKS]; /* the half of this rank's inbox each source pushed into */
+} epxc_ll_step_t;
+
+/* The device-resident counters, written by the kernels only. */
+typedef struct {
+  epxc_ll_step_t step[2];  /* by the parity of this rank's dispatches */
   uint64_t dispatches, combines;
-  /* what a SEND half leaves for its COMPLETE: the exchange's epoch and the plan it used */
+  /* what a SEND half leaves for its COMPLETE: the exchange's epoch, and the step it used
+   * (a dispatch's own; a combine's, that of the dispatch it inverts) */
   uint64_t dispatch_epoch, combine_epoch;
-  int32_t dispatch_plan, combine_plan;
+  int32_t dispatch_half, combine_half;
 } epxc_ll_t;
+
+/* A handle's buffers, fixed when it is made: kernels take them by value. */
+typedef struct {
+  epxc_ll_t *dev;
+  int32_t *idx[2];          /* [max_tokens, K] this rank's normalised expert ids */
+  float *weight[2];         /* [max_tokens, K] their weights, 0 on -1 slots */
+  uint32_t *rank_bits[2];   /* [R, W]: bit t of row d: token t went to rank d */
+  int32_t *recv_base[2];    /* [L, R]: first row here of source q's pairs of local expert l */
+  char *dispatch_inbox;     /* [2][R] dispatch regions */
+  char *combine_inbox;      /* [2][R] combine regions */
+  uint64_t id;              /* the handle's id: where peers find the inboxes (epxc_state_t.ll_inbox) */
+} epxc_ll_bufs_t;
 
 /* Where a low-latency dispatch finds its routing: the caller's, or (replay) the normalised
  * copy of the last plan. */
@@ -344,12 +425,17 @@ size_t epxc_bulk_smem_need(void);
 int epxc_preload_a2a(size_t *stack);
 int epxc_preload_ll(size_t *stack);
 
-/* Low-latency: one launch each. Dispatch plans (from `r`), stages this rank's tokens, meets the
- * peers in one exchange and pulls; combine reduces partials, meets, and sums. */
-int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
+/* Low-latency: one launch each. Dispatch plans (from `r`), pushes this rank's tokens into
+ * their destinations' inboxes, meets the peers in one exchange and places what it received;
+ * combine pushes partials back, meets, and sums. */
+int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b, const epxc_route_t *r,
                      const epxc_dispatch_t *a, const epxc_stamp_t *stamp, void *stream);
-int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
+int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b, const epxc_combine_t *a,
                     const epxc_stamp_t *stamp, void *stream);
+/* Dynamic shared memory a low-latency dispatch block needs (its routing bitmaps), and the most
+ * it may take. */
+size_t epxc_ll_smem(int R, int E, int64_t max_tokens);
+#define EPXC_LL_SMEM_MAX (80 * 1024)
 
 /* Publishes `words` (NULL: none but a success status) and `stamp` (NULL: none, as a closing
  * exchange) to every peer's mailbox and waits for every peer's; the payloads land in this

@@ -12,31 +12,6 @@ static const cuda_algo_t *algo_of(epx_algo_t algo) {
 
 /* ---- handles ------------------------------------------------------------------------------ */
 
-/* Device arrays of one plan, for `cap` tokens; the struct itself is uploaded by the caller.
- * Peers read all of them. */
-epx_status_t plan_arrays(const epx_comm_t *c, epxc_plan_t *p, int64_t cap, cudaStream_t st) {
-  cuda_comm_t *cc = CC(c);
-  const int64_t W = (cap + 31) / 32, K = c->cfg.topk, R = c->nranks, E = c->cfg.num_experts, L = c->num_local_experts;
-  p->words = W;
-  EPX_CHECK(dev_alloc(cc, (void **)&p->idx, sizeof(int32_t) * cap * K + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->weight, sizeof(float) * cap * K + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->rank_bits, sizeof(uint32_t) * R * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->rank_pre, sizeof(int32_t) * R * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->exp_bits, sizeof(uint32_t) * E * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->exp_pre, sizeof(int32_t) * E * W + 16, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->counts, sizeof(int32_t) * (R + E), st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->pair_base, sizeof(int64_t) * L * R, st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->block, sizeof(int64_t) * (L + 1), st, "plan buffers"));
-  EPX_CHECK(dev_alloc(cc, (void **)&p->pairs_local, sizeof(int32_t) * L, st, "plan buffers"));
-  return EPX_SUCCESS;
-}
-
-void plan_arrays_free(cuda_comm_t *cc, epxc_plan_t *p) {
-  void *bufs[] = {p->idx, p->weight, p->rank_bits, p->rank_pre, p->exp_bits, p->exp_pre, p->counts,
-                  p->pair_base, p->block, p->pairs_local};
-  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
-}
-
 /* Handles are made while peers may already wait on this rank in an exchange: nothing here may
  * synchronise the device, so every buffer is carved from the comm's arena. */
 static epx_status_t handle_make(epx_handle_t *h) {
@@ -60,7 +35,7 @@ static epx_status_t handle_make(epx_handle_t *h) {
   EPX_CHECK(dev_alloc(cc, (void **)&ch->host.counts, sizeof(int32_t) * (R + E), st, what));
   EPX_CHECK(dev_alloc(cc, (void **)&ch->host.pair_send_base, sizeof(int64_t) * (E + 1), st, what));
   CUDA_TRY(cudaMemsetAsync(ch->dev, 0, sizeof(epxc_plan_t), st), what);
-  if (ch->algo->create) EPX_CHECK(ch->algo->create(c, ch, st));
+  if (ch->algo->create) EPX_CHECK(ch->algo->create(h, ch, st));
   return EPX_SUCCESS;
 }
 
@@ -89,13 +64,9 @@ static void cuda_handle_destroy(epx_handle_t *h) {
   void *bufs[] = {ch->dev, ch->host.pair_base, ch->host.kept, ch->host.block, ch->host.pairs_local,
                   ch->host.counts, ch->host.idx, ch->host.weight, ch->host.rank_bits, ch->host.rank_pre, ch->host.exp_bits, ch->host.exp_pre,
                   ch->host.pair_send_base, ch->scan, ch->partials, ch->a2a.send_x, ch->a2a.stage_x, ch->a2a_back,
-                  ch->ipc_x, ch->ipc_wgrad, ch->ll_dev};
+                  ch->ipc_x, ch->ipc_wgrad};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
-  for (int i = 0; i < 2; i++) {
-    plan_arrays_free(cc, &ch->ll_plan[i]);
-    void *ll_bufs[] = {ch->ll.plan[i], ch->ll.stage[i], ch->ll.stage_scales[i], ch->ll.partials[i], ch->ll.wgrad[i]};
-    for (size_t j = 0; j < sizeof ll_bufs / sizeof *ll_bufs; j++) dev_free(cc, ll_bufs[j]);
-  }
+  if (ch->algo && ch->algo->destroy) ch->algo->destroy(h, ch, st);
   free(ch->summary);
   free(ch->pairs_local_host);
   free(ch);

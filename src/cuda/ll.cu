@@ -1,19 +1,27 @@
 /* Low-latency dispatch and combine for decode: one launch per operation, fixed shapes, no
  * host synchronisation, graph-capturable and replayable with new routings.
  *
- * Dispatch, in one kernel: block 0 plans this rank's routing (bitmaps and counts, as notify
- * does) while every block stages this rank's tokens in the receive type (fp8 is quantised
- * here, once per token); when all blocks have arrived, block 0 meets the peers in one
- * exchange (plan, staging), derives where every row lands and releases the other blocks,
- * which pull the rows that come to this rank straight into their final slots. Combine, in one
- * kernel: every block reduces the rows of the tokens this rank received into partials (row
- * (source, token)), block 0 meets the peers, then every block sums its tokens' partials in
- * rank order. A step has fewer rows than the launch has warps, so staging, pulls, partials and
- * sums each cut rows into slices of whole 256-channel chunks. Nothing waits for the peers to
- * finish reading: what they read is double-buffered by the parity of device-side call counts,
- * and the next operation's exchange proves they are done with the older copy. */
+ * Sources push (cuda_shared.h, "The low-latency path"). Dispatch, in one kernel: every block
+ * builds this rank's whole routing as bitmaps in its shared memory (a decode step's are a few
+ * words a row), so each warp knows where its token's slots land without waiting for another
+ * block. Warps write their tokens' rows once per destination rank into that rank's inbox, with
+ * the token's record (its local experts there, its place among this rank's tokens of each);
+ * block 0 writes the headers (counts); the last block to finish posts this rank's exchange.
+ * Then every block waits for every peer's post itself, reads the counts from its own inbox and
+ * copies the rows that came into their final slots, fanning each out to its local experts.
+ * Combine: every block reduces the rows of the tokens that came here into partials, written
+ * straight into each source's combine inbox; the last block posts; every block then sums its
+ * own tokens' partials, in rank order, from its own inbox.
+ *
+ * Block 0 runs the full exchange wait (stamps, verdicts, errors: exchange.cuh); the other
+ * blocks take the posts as they are when every peer posted in step and reported success, and
+ * otherwise wait for block 0's verdict. A step has fewer rows than the launch has warps, so
+ * pushes, copies, partials and sums each cut rows into slices of whole 256-channel chunks. */
 #include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
+
+static_assert(EPXC_MAX_TOPK <= EPXC_LL_SLOTS, "a token's record holds every slot");
+static_assert(EPX_MAX_RANKS <= EPXC_WARP * 2, "a block's first two warps read every rank's post");
 
 /* Build with -DEPX_LL_TRACE to have rank 0's block 0 print when each phase of every launch
  * ended (trace.cuh: the launch's start, then ns since it): where a decode step's latency goes. */
@@ -29,56 +37,28 @@
 #define LL_TRACE_PRINT(what) EPXC_NO_TRACE
 #endif
 
-/* Waits until *p >= target, on this rank's own memory (the blocks of one launch). */
-static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint64_t target, int phase) {
-  const uint64_t start = globaltimer_ns();
-  for (uint32_t spin = 0;; spin++) {
-    if (ld_acquire(p) >= target) return true;
-    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
-      record_error(g, EPX_ERR_TIMEOUT, phase, g->rank, (int64_t)(g->timeout_ns / 1000000));
-      return false;
-    }
-  }
+/* ---- shapes and places --------------------------------------------------------------------- */
+
+typedef struct {
+  epxc_ll_layout_t y;
+  int W;      /* bitmap words a row: max_tokens / 32, rounded up */
+  int blocks; /* fp8 scale blocks a row */
+} ll_geom_t;
+
+static __device__ __forceinline__ ll_geom_t geom_of(const epxc_shape_t *s) {
+  ll_geom_t g;
+  g.y = epxc_ll_layout(s->num_local, s->topk, s->max_tokens, s->hidden);
+  g.W = (int)((s->max_tokens + 31) / 32);
+  g.blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  return g;
 }
 
-/* Every block announces it is done with its first part; block 0 waits for all of them. The
- * launch's round r was read by every block before it arrived, so block 0 may then advance it. */
-static __device__ bool arrive_all(const epxc_group_t *g, epxc_state_t *st, uint64_t r, int phase) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    atomicAdd((unsigned long long *)&st->ll_arrived, 1ull);
-  }
-  if (blockIdx.x != 0) return true;
-  __shared__ int ok;
-  if (threadIdx.x == 0) {
-    ok = wait_local(g, &st->ll_arrived, r * gridDim.x, phase);
-    st->ll_rounds = r;
-  }
-  __syncthreads();
-  return ok;
+/* Rank q's region in one half of an inbox. */
+static __device__ __forceinline__ char *region_of(char *inbox, size_t region, int R, int half, int q) {
+  return inbox + ((size_t)half * R + q) * region;
 }
 
-/* Block 0 lets the other blocks go on (also when it failed: they then see why and stop). */
-static __device__ void release_all(epxc_state_t *st, uint64_t r) {
-  __syncthreads();
-  if (threadIdx.x == 0) st_release(&st->ll_ready, r);
-}
-
-/* The other blocks wait for that, polled by one thread so a warp never splits on the outcome.
- * Block 0 itself waits on the peers for up to the timeout, so these wait twice as long. */
-static __device__ bool wait_ready(const epxc_group_t *g, epxc_state_t *st, uint64_t epoch, int phase) {
-  __shared__ int ready;
-  if (threadIdx.x == 0) {
-    epxc_group_t twice = *g;
-    twice.timeout_ns = 2 * g->timeout_ns;
-    ready = wait_local(&twice, &st->ll_ready, epoch, phase);
-  }
-  __syncthreads();
-  return ready;
-}
-
-/* A decode step has fewer rows than the launch has warps: rows that one warp would move alone
+/* A step has fewer rows than the launch has warps: rows that one warp would move alone
  * are cut into slices of whole 256-channel chunks (so fp8 blocks of 128 stay whole), as many
  * as keep every warp busy. Slice i of a row covers channels [i * width, min(H, (i+1) * width)). */
 typedef struct {
@@ -99,337 +79,587 @@ static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t,
   return ((size_t)t * hidden + (size_t)c) * dtype_bytes(dt);
 }
 
-/* Pair i of the (source rank, source token) walk both kernels spread over every warp (a source
- * alone has fewer tokens than the launch has warps): whether that token came to this rank. */
-static __device__ __forceinline__ bool pair_arrived(const epxc_shape_t *s, const epxc_plan_t *plan, int64_t i,
-                                                    int *src_rank, int64_t *t) {
-  *src_rank = (int)(i / s->max_tokens);
-  *t = i % s->max_tokens;
-  const epxc_peer_t *src = &plan->peer[*src_rank];
-  return *t < src->num_tokens && bit_set(src->rank_bits + (int64_t)s->rank * src->words, *t);
+/* ---- meeting ------------------------------------------------------------------------------- */
+
+/* Waits until *p >= target, on this rank's own memory. */
+static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint64_t target, int phase) {
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spin = 0;; spin++) {
+    if (ld_acquire(p) >= target) return true;
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
+      record_error(g, EPX_ERR_TIMEOUT, phase, g->rank, (int64_t)(g->timeout_ns / 1000000));
+      return false;
+    }
+  }
 }
 
-/* ---- planning (block 0) -------------------------------------------------------------------- */
-
-/* Bitmaps, prefix popcounts and counts of this rank's routing, as notify's build does. A
- * decode step's bitmaps are a few words per row: they are built in shared memory, where
- * clearing them and setting bits cost no round trip to memory, and written out once, with
- * the prefix pass reading them from there. Larger ones are built in the plan itself. Inlined:
- * out of line, the kernel spilled 120 bytes instead of 700, and the EP2 decode dispatch took
- * 2-3 us longer (bench/RESULTS.md, 2026-12-02). */
-static __device__ void plan_block(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_plan_t *prev,
-                                  const epxc_route_t *r) {
-  const int K = s->topk, R = s->nranks, E = s->num_experts;
-  const int64_t W = plan->words, T = r->num_tokens, words = (int64_t)(R + E) * W;
-  __shared__ uint32_t staged_bits[EPXC_LL_PLAN_WORDS];
-  const bool staged = words <= EPXC_LL_PLAN_WORDS;
-  const epxc_bits_t b = staged ? (epxc_bits_t){staged_bits, staged_bits + (int64_t)R * W} : plan_bits(plan);
-  for (int64_t i = threadIdx.x; i < (int64_t)R * W; i += blockDim.x) b.rank_bits[i] = 0;
-  for (int64_t i = threadIdx.x; i < (int64_t)E * W; i += blockDim.x) b.exp_bits[i] = 0;
-  const bool fits = T <= s->max_tokens;
+/* Every block announces it has pushed its part; true in the last one to arrive. Each block's
+ * fence orders its pushes before its arrival, the last one's orders every arrival before what
+ * it writes next (its post). The counter wraps to 0 on that arrival, ready for the next launch. */
+static __device__ bool arrive_last(epxc_state_t *st) {
+  __shared__ int last;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    plan->num_tokens = fits ? T : 0; /* too many tokens: nothing of this rank is read */
-    plan->bad_key = fits ? ~0ull : (uint64_t)EPX_ERR_LL_OVERFLOW;
+    __threadfence_system();
+    last = atomicInc(&st->ll_arrivals, gridDim.x - 1) == gridDim.x - 1;
+    if (last) __threadfence_system();
   }
   __syncthreads();
-  if (fits) {
-    const bool replay = r->replay != 0;
-    if (replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS) && threadIdx.x == 0)
-      plan->bad_key = (uint64_t)EPX_ERR_INVALID_ARGUMENT; /* nothing valid to replay */
-    int32_t ids[EPXC_MAX_TOPK];
-    float ws[EPXC_MAX_TOPK];
-    for (int64_t t = threadIdx.x; t < T && !(replay && (prev->status || prev->group_status)); t += blockDim.x) {
-      int bad = 0, st = EPX_SUCCESS;
-      if (replay)
+  return last;
+}
+
+/* Where this rank pushes on each rank d (to[d]): d's inbox of this handle, found in d's state
+ * and translated. NULL when d has no such inbox, which d's post of this exchange shows (d is
+ * in it with another kind of handle: the exchange then says why), or when d never makes one in
+ * time (the exchange then times out on d too). Threads d < R of the block. */
+static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g, uint64_t id, uint64_t epoch,
+                                    bool combine, char **to) {
+  const int d = threadIdx.x;
+  if (d >= s->nranks) return;
+  const volatile epxc_ll_inbox_t *e = &g->state[d]->ll_inbox[id % EPXC_LL_INBOXES];
+  const uint64_t *posted = &g->state[g->rank]->post[epoch & 1][d].flag;
+  uint64_t want[2];
+  epxc_ll_shape_key(s->nranks, s->num_local, s->topk, s->max_tokens, s->hidden, want);
+  char *at = NULL;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t spin = 0;; spin++) {
+    const bool in_exchange = ld_acquire(posted) >= epoch; /* read before the key: see above */
+    if (e->key == id) {
+      if (e->shape[0] == want[0] && e->shape[1] == want[1])
+        at = (char *)peer_ptr(g, d, combine ? e->combine_inbox : e->dispatch_inbox);
+      break;
+    }
+    if (in_exchange) break;
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) break;
+  }
+  to[d] = at;
+}
+
+/* Block 0 lets the other blocks go on (also when it failed: they then see why and stop). */
+static __device__ void release_all(epxc_state_t *st, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) st_release(&st->ll_ready, epoch);
+}
+
+/* A block other than 0 reads the posts of exchange `epoch` itself (the parity of each in
+ * parity[]): true when every rank has posted, in step with rank 0 (phase tag, stamp) and
+ * reporting success, none having given up on this exchange. Anything else is block 0's to
+ * decide: false once block 0 has recorded its verdict, or (block 0 itself waits up to the
+ * timeout) after twice the timeout. */
+static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int phase, int *parity) {
+  epxc_state_t *me = g->state[g->rank];
+  __shared__ int fine;
+  __shared__ uint64_t tag[EPX_MAX_RANKS];
+  __shared__ epxc_stamp_t stamp[EPX_MAX_RANKS];
+  const int R = g->nranks, r = threadIdx.x;
+  if (r == 0) fine = 1;
+  __syncthreads();
+  if (r < R) {
+    const volatile epxc_slot_t *in = &me->post[epoch & 1][r];
+    const uint64_t start = globaltimer_ns();
+    bool came = false;
+    for (uint32_t spin = 0;; spin++) {
+      if (ld_acquire((const uint64_t *)&in->flag) >= epoch) {
+        came = true;
+        break;
+      }
+      if (ld_acquire(&me->ll_ready) >= epoch) break; /* block 0 decided first */
+      if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > 2 * g->timeout_ns) break;
+    }
+    if (came) {
+      const uint64_t status = in->words.ll.status, v = in->verdict;
+      parity[r] = (int)in->words.ll.parity;
+      tag[r] = in->phase_tag;
 #pragma unroll
-        for (int k = 0; k < EPXC_MAX_TOPK; k++) /* compile-time slots: ids and ws stay in registers */
-          ids[k] = k < K ? prev->idx[t * K + k] : -1, ws[k] = k < K ? prev->weight[t * K + k] : 0.0f;
-      else
-        st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
-      if (st != EPX_SUCCESS)
-        atomicMin((unsigned long long *)&plan->bad_key, bad_route_key(t, bad, st));
-      else
-        plan_token(s, plan, b, t, ids, ws);
+      for (int i = 0; i < EPXC_STAMP_WORDS; i++) stamp[r].word[i] = in->stamp.word[i];
+      if (status != EPX_SUCCESS || v == EPXC_VERDICT(epoch, EPXC_VERDICT_DECIDING) ||
+          v == EPXC_VERDICT(epoch, EPXC_VERDICT_GAVE_UP))
+        fine = 0;
+    } else {
+      fine = 0;
     }
   }
   __syncthreads();
-  plan_prefix(s, plan, b, threadIdx.x / EPXC_WARP, blockDim.x / EPXC_WARP);
-  /* the rank rows, then the expert rows: the plan's layout of both */
-  for (int64_t i = threadIdx.x; staged && i < words; i += blockDim.x)
-    (i < (int64_t)R * W ? plan->rank_bits[i] : plan->exp_bits[i - (int64_t)R * W]) = staged_bits[i];
+  if (fine && r < R && tag[r] != EPXC_PHASE_TAG + (uint64_t)phase) fine = 0;
+  if (fine && r < R)
+    for (int i = 0; i < EPXC_STAMP_WORDS; i++)
+      if (stamp[r].word[i] != stamp[0].word[i]) fine = 0;
   __syncthreads();
-  if (threadIdx.x == 0) plan->status = plan_status(plan->bad_key);
-  __syncthreads();
+  return fine;
 }
 
-/* After the exchange (the plan each rank published): every rank's send side as this rank reads it, and
- * where every source's pairs land here. Fixed blocks of R * max_tokens rows per local expert,
- * packed by (source rank, source token). */
-static __device__ void place_block(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan) {
-  const int R = s->nranks, L = s->num_local, me = s->rank;
-  const epxc_state_t *st = g->state[g->rank];
-  if (threadIdx.x < R) peer_view(g, threadIdx.x, st->got[threadIdx.x].ll_dispatch.plan, &plan->peer[threadIdx.x]);
+/* Every block learns the verdict of exchange `epoch` and where each rank pushed (parity[]):
+ * block 0 from the full wait (exchange_wait: it records the verdict, then releases the other
+ * blocks), the others from the posts when posts_fine, else from block 0's record. Its own
+ * rank's post was made by the last block to arrive: block 0 sees it before its wait fences
+ * (see exchange_wait). Returns whether the operation goes on. */
+static __device__ bool meet(const epxc_group_t *g, int phase, uint64_t epoch, int *parity) {
+  epxc_state_t *st = g->state[g->rank];
+  __shared__ int go;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) wait_local(g, &st->post[epoch & 1][g->rank].flag, epoch, phase);
+    __syncthreads();
+    const bool met = exchange_wait(g, phase, epoch);
+    if (threadIdx.x == 0) go = met && st->group_status == EPX_SUCCESS;
+    if (threadIdx.x < g->nranks) parity[threadIdx.x] = (int)st->got[threadIdx.x].ll.parity;
+    release_all(st, epoch);
+    __syncthreads();
+    return go;
+  }
+  if (posts_fine(g, epoch, phase, parity)) return true;
+  if (threadIdx.x == 0) {
+    epxc_group_t twice = *g;
+    twice.timeout_ns = 2 * g->timeout_ns;
+    go = wait_local(&twice, &st->ll_ready, epoch, phase);
+    go = go && !((volatile epxc_state_t *)st)->aborted && ((volatile epxc_state_t *)st)->group_status == EPX_SUCCESS;
+  }
+  if (threadIdx.x < g->nranks) parity[threadIdx.x] = (int)((volatile epxc_words_t *)&st->got[threadIdx.x])->ll.parity;
   __syncthreads();
-  /* every (expert, source) count read at once: one round trip to the peers, not R */
-  __shared__ int32_t count[EPX_MAX_EXPERTS]; /* [L, R] */
-  for (int i = threadIdx.x; i < L * R; i += blockDim.x) count[i] = plan->peer[i % R].counts[R + me * L + i / R];
+  return go;
+}
+
+/* The last block to arrive posts this rank's words (status, the half it pushed into). */
+static __device__ uint64_t post_ll(const epxc_group_t *g, int phase, int32_t status, int half,
+                                   const epxc_stamp_t stamp) {
+  epxc_words_t w = {};
+  w.ll.status = (uint64_t)(uint32_t)status;
+  w.ll.parity = (uint64_t)half;
+  return exchange_post(g, phase, &w, stamp);
+}
+
+/* ---- dispatch: planning (every block) ------------------------------------------------------- */
+
+/* Token t's normalised routing: the caller's, checked (a status), or on a replay the last
+ * dispatch's own copy. Slots are compile-time indices: ids and ws stay in registers. */
+static __device__ __forceinline__ int token_route(const epxc_shape_t *s, const epxc_ll_bufs_t *b, const epxc_route_t *r,
+                                                  int half, int64_t t, int32_t *ids, float *ws, int *bad) {
+  const int K = s->topk;
+  if (!r->replay)
+    return read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, bad);
+  const int32_t *pi = b->idx[half ^ 1] + t * K;
+  const float *pw = b->weight[half ^ 1] + t * K;
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++) ids[k] = k < K ? pi[k] : -1, ws[k] = k < K ? pw[k] : 0.0f;
+  return EPX_SUCCESS;
+}
+
+/* This rank's routing as bitmaps in this block's shared memory: bit t of expert row e says
+ * token t chose e, of rank row d (after the E expert rows) that it goes to rank d. Returns this
+ * rank's status: an overflow, a replay with nothing valid to replay, or the first bad token's. */
+static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_t *b, const epxc_route_t *r,
+                                      const epxc_ll_step_t *prev, int half, uint32_t *bits, int W) {
+  const int K = s->topk, E = s->num_experts, L = s->num_local;
+  const int64_t T = r->num_tokens;
+  __shared__ unsigned long long bad_key;
+  for (int i = threadIdx.x; i < (E + s->nranks) * W; i += blockDim.x) bits[i] = 0;
+  if (threadIdx.x == 0) {
+    const bool void_replay = r->replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS);
+    bad_key = T > s->max_tokens ? (unsigned long long)EPX_ERR_LL_OVERFLOW
+              : void_replay     ? (unsigned long long)EPX_ERR_INVALID_ARGUMENT
+                                : ~0ull;
+  }
   __syncthreads();
-  /* the total is summed as the counts are placed (a warp sum, then one shared add per warp),
-   * not read back from memory by one thread */
+  const bool go = bad_key == ~0ull;
+  for (int64_t t = threadIdx.x; go && t < T; t += blockDim.x) {
+    int32_t ids[EPXC_MAX_TOPK];
+    float ws[EPXC_MAX_TOPK];
+    int bad = 0;
+    const int st = token_route(s, b, r, half, t, ids, ws, &bad);
+    if (st != EPX_SUCCESS) {
+      atomicMin(&bad_key, bad_route_key(t, bad, st));
+      continue;
+    }
+    const uint32_t bit = 1u << (t & 31);
+#pragma unroll
+    for (int k = 0; k < EPXC_MAX_TOPK; k++)
+      if (k < K && ids[k] >= 0) {
+        atomicOr(&bits[(int64_t)ids[k] * W + (t >> 5)], bit);
+        atomicOr(&bits[(int64_t)(E + ids[k] / L) * W + (t >> 5)], bit);
+      }
+  }
+  __syncthreads();
+  return plan_status(bad_key);
+}
+
+/* ---- dispatch: pushing ---------------------------------------------------------------------- */
+
+/* Block 0: this rank's header in every destination's inbox (its token count, its pairs per
+ * local expert there, which of its tokens go there), and its rank bitmaps for the combine. */
+static __device__ void push_headers(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int half,
+                                    int64_t T, const uint32_t *bits, char *const *to) {
+  const int R = s->nranks, L = s->num_local, E = s->num_experts, W = gm->W, used = (int)((T + 31) / 32);
+  const int per = 1 + L + W;
+  for (int i = threadIdx.x; i < R * per; i += blockDim.x) {
+    const int d = i / per, j = i - d * per;
+    if (j > L) b->rank_bits[half][(int64_t)d * W + (j - 1 - L)] = bits[(int64_t)(E + d) * W + (j - 1 - L)];
+    if (!to[d]) continue;
+    char *region = region_of(to[d], gm->y.region, R, half, s->rank);
+    if (j == 0) {
+      *(int32_t *)region = (int32_t)T;
+    } else if (j <= L) {
+      const uint32_t *row = bits + (int64_t)(d * L + j - 1) * W;
+      int32_t n = 0;
+      for (int w = 0; w < used; w++) n += __popc(row[w]);
+      ((int32_t *)(region + gm->y.counts))[j - 1] = n;
+    } else {
+      ((uint32_t *)(region + gm->y.rbits))[j - 1 - L] = bits[(int64_t)(E + d) * W + (j - 1 - L)];
+    }
+  }
+}
+
+/* Tokens before t that chose expert e (its bitmap row in shared memory). */
+static __device__ __forceinline__ int32_t rank_in_row(const uint32_t *row, int64_t t) {
+  int32_t n = __popc(row[t >> 5] & ((1u << (t & 31)) - 1u));
+  for (int64_t w = 0; w < (t >> 5); w++) n += __popc(row[w]);
+  return n;
+}
+
+/* Slice [c, c + w) of token t, pushed to every rank its slots go to (lowest rank first): its
+ * row, staged in the receive type (fp8 quantised here, once) or in x's when the destination
+ * scales it; and from the first slice's warp the token's record there (its slots there sorted
+ * by local expert) and its normalised routing here. Lane k takes slot k. */
+static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b,
+                                  const epxc_route_t *r, const epxc_dispatch_t *a, int half, int64_t t, int c, int w,
+                                  const uint32_t *bits, char *const *to) {
+  const int K = s->topk, L = s->num_local, R = s->nranks, H = s->hidden, lane = lane_id();
+  const bool scaled = a->scale_by_probs != 0, fp8 = a->recv_dtype == EPX_FP8_E4M3;
+  const epx_dtype_t stage_dtype = scaled ? a->x_dtype : a->recv_dtype;
+  int32_t ids[EPXC_MAX_TOPK];
+  float ws[EPXC_MAX_TOPK];
+  int bad = 0;
+  token_route(s, b, r, half, t, ids, ws, &bad); /* checked by plan_shared */
+  int e = -1;
+  float wt = 0.0f;
+#pragma unroll
+  for (int k = 0; k < EPXC_MAX_TOPK; k++)
+    if (lane == k) e = ids[k], wt = ws[k];
+  if (c == 0 && lane < K) b->idx[half][t * K + lane] = e, b->weight[half][t * K + lane] = wt;
+  const int d = e >= 0 ? e / L : -1, l = e >= 0 ? e % L : 0;
+  const int32_t ord = e >= 0 ? rank_in_row(bits + (int64_t)e * gm->W, t) : 0;
+  void *dst[EPXC_MAX_TOPK];
+  float *dscale[EPXC_MAX_TOPK];
+  int m = 0;
+  for (unsigned todo = __ballot_sync(0xffffffffu, e >= 0); todo;) {
+    const int dd = __shfl_sync(0xffffffffu, d, __ffs(todo) - 1);
+    const unsigned group = __ballot_sync(0xffffffffu, e >= 0 && d == dd);
+    todo &= ~group;
+    int pos = 0; /* this lane's place among the slots on rank dd */
+    for (unsigned rest = group; rest; rest &= rest - 1) pos += __shfl_sync(0xffffffffu, l, __ffs(rest) - 1) < l;
+    if (!to[dd]) continue;
+    char *region = region_of(to[dd], gm->y.region, R, half, s->rank);
+    epxc_ll_meta_t *meta = (epxc_ll_meta_t *)(region + gm->y.meta) + t;
+    if (c == 0 && ((group >> lane) & 1)) {
+      meta->slot[pos] = l | lane << 16;
+      meta->ord[pos] = ord;
+      meta->weight[pos] = wt;
+    }
+    if (c == 0 && lane == 0) meta->n = __popc(group);
+    dst[m] = region + gm->y.rows + slice_offset(stage_dtype, t, H, c);
+    dscale[m] = fp8 && !scaled ? (float *)(region + gm->y.scales) + t * gm->blocks + c / EPX_FP8_BLOCK : NULL;
+    m++;
+  }
+  const void *in = (const char *)a->x + slice_offset(a->x_dtype, t, H, c);
+  const float one[1] = {1.0f}; /* unread: these copies are not scaled */
+  if (stage_dtype == a->x_dtype)
+    copy_row_raw(in, dst, m, w * (int64_t)dtype_bytes(a->x_dtype));
+  else
+    convert_row(in, a->x_dtype, stage_dtype, w, dst, dscale, one, 0, m);
+}
+
+/* ---- dispatch: placing (every block, after the exchange) ------------------------------------ */
+
+/* Where each source's pairs land here (base[l * R + q]): local expert l's block at
+ * l * R * max_tokens, sources in rank order, from the counts in this rank's inbox. Block 0
+ * also writes them for the combine, with the counts the caller asked for. */
+static __device__ void place_shared(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int half,
+                                    const epxc_dispatch_t *a, const int *parity, int32_t *base) {
+  const int R = s->nranks, L = s->num_local;
+  for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+    const int l = i / R, q = i - l * R;
+    base[i] = ((const int32_t *)(region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q) + gm->y.counts))[l];
+  }
+  __syncthreads();
   __shared__ unsigned int pairs;
   if (threadIdx.x == 0) pairs = 0;
   __syncthreads();
   unsigned int mine = 0;
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    int64_t n = 0;
-    const int64_t block = (int64_t)l * R * s->max_tokens;
+    int32_t n = 0;
+    const int32_t block = l * R * s->max_tokens;
     for (int q = 0; q < R; q++) {
-      plan->pair_base[(int64_t)l * R + q] = block + n;
-      n += count[l * R + q];
+      const int32_t count = base[l * R + q];
+      base[l * R + q] = block + n;
+      n += count;
     }
-    plan->pairs_local[l] = (int32_t)n;
-    plan->block[l] = block;
+    if (blockIdx.x == 0 && a->tokens_per_local_expert) a->tokens_per_local_expert[l] = n;
     mine += (unsigned int)n;
   }
   mine = __reduce_add_sync(0xffffffffu, mine);
   if (lane_id() == 0 && mine) atomicAdd(&pairs, mine);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    plan->block[L] = (int64_t)L * R * s->max_tokens;
-    plan->num_pairs = (int64_t)pairs;
-    plan->num_rows = plan->block[L];
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < L * R; i += blockDim.x) b->recv_base[half][i] = base[i];
+    if (threadIdx.x == 0 && a->num_recv_rows) *a->num_recv_rows = (int64_t)pairs;
   }
-  __syncthreads();
 }
 
-/* ---- dispatch ------------------------------------------------------------------------------ */
+/* Source q's token t as it came to this rank, from its region here: false when it did not. */
+static __device__ __forceinline__ bool came_here(const ll_geom_t *gm, const char *region, int64_t t) {
+  return t < *(const int32_t *)region && bit_set((const uint32_t *)(region + gm->y.rbits), t);
+}
 
-/* The rows that come to this rank, pulled from their sources' staging into their final rows:
- * (source, token) pairs in slices, as the staging, since a step has fewer rows than warps. The
- * first slice of a row writes its weights (recv_probs), the others leave them. */
-static __device__ __forceinline__ void pull_rows(const epxc_shape_t *s, const epxc_group_t *g,
-                                                 const epxc_plan_t *plan, const epxc_dispatch_t *a) {
+/* The token's record: lane j < the return value gets its j-th slot here (local expert l, the
+ * source's slot k), its row here (base + its place) and its weight. */
+static __device__ __forceinline__ int read_record(const char *region, const ll_geom_t *gm, int64_t t, int R, int q,
+                                                  const int32_t *base, int *k, int64_t *row, float *weight) {
+  const epxc_ll_meta_t *meta = (const epxc_ll_meta_t *)(region + gm->y.meta) + t;
+  const int n = meta->n, lane = lane_id();
+  *k = 0, *row = 0, *weight = 0.0f;
+  if (lane < n) {
+    const int32_t slot = meta->slot[lane];
+    *k = slot >> 16;
+    *row = (int64_t)base[(int64_t)(slot & 0xffff) * R + q] + meta->ord[lane];
+    *weight = meta->weight[lane];
+  }
+  return n;
+}
+
+/* The rows that came to this rank, from its inbox into their final rows: (source, token)
+ * pairs in slices. The first slice of a row writes its weights (recv_probs), the others leave them. */
+static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b,
+                                  const epxc_dispatch_t *a, const int *parity, const int32_t *base) {
   const int H = s->hidden, R = s->nranks, lane = lane_id();
-  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
   const bool fp8 = a->recv_dtype == EPX_FP8_E4M3, scaled = a->scale_by_probs != 0;
-  const int candidates = R * s->max_tokens;
+  const epx_dtype_t stage_dtype = scaled ? a->x_dtype : a->recv_dtype;
+  const int64_t candidates = (int64_t)R * s->max_tokens;
   const slicing_t sl = slicing(candidates, H);
-  for (int i = (int)warp_global(); i < candidates * sl.count; i += (int)warp_count()) {
-    int src_rank;
-    int64_t t;
-    const int pair = i / sl.count, c = (i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
-    if (!pair_arrived(s, plan, pair, &src_rank, &t)) continue;
-    const epxc_peer_t *src = &plan->peer[src_rank];
-    const epxc_ll_dispatch_words_t *sent = &posted(g, src_rank)->ll_dispatch;
-    const void *stage = peer_ptr(g, src_rank, sent->stage);
-    const float *stage_scales = (const float *)peer_ptr(g, src_rank, sent->stage_scales);
-    const epx_dtype_t src_dtype = (epx_dtype_t)sent->stage_dtype; /* as the source staged it */
+  for (int64_t i = warp_global(); i < candidates * sl.count; i += warp_count()) {
+    const int64_t pair = i / sl.count;
+    const int c = (int)(i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
+    const int q = (int)(pair / s->max_tokens);
+    const int64_t t = pair - (int64_t)q * s->max_tokens;
+    const char *region = region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q);
+    if (!came_here(gm, region, t)) continue;
+    int k;
+    int64_t my_row;
+    float my_w;
+    const int m = read_record(region, gm, t, R, q, base, &k, &my_row, &my_w);
     void *dst[EPXC_MAX_TOPK];
     float *dscale[EPXC_MAX_TOPK];
     float factor[EPXC_MAX_TOPK];
-    const int m = expert_rows(s, plan, src_rank, src, t, a, c, dst, dscale, factor);
-    const void *in = (const char *)stage + slice_offset(src_dtype, t, H, c);
-    if (scaled || src_dtype != a->recv_dtype) { /* scaled copies, or staged in x's type */
-      convert_row(in, src_dtype, a->recv_dtype, w, dst, dscale, factor, scaled, m);
+    for (int j = 0; j < m; j++) {
+      const int64_t row = __shfl_sync(0xffffffffu, my_row, j);
+      factor[j] = __shfl_sync(0xffffffffu, my_w, j);
+      dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row * H + c, 1);
+      dscale[j] = fp8 ? a->recv_scales + row * gm->blocks + c / EPX_FP8_BLOCK : NULL;
+    }
+    if (c == 0 && lane < m && a->recv_probs) a->recv_probs[my_row] = my_w;
+    const void *in = region + gm->y.rows + slice_offset(stage_dtype, t, H, c);
+    if (scaled || stage_dtype != a->recv_dtype) { /* scaled copies, staged in x's type */
+      convert_row(in, stage_dtype, a->recv_dtype, w, dst, dscale, factor, scaled, m);
     } else {
       copy_row_raw(in, dst, m, (int64_t)w * dtype_bytes(a->recv_dtype));
-      const int first = (int)t * blocks + c / EPX_FP8_BLOCK, n = (w + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+      const float *scales = (const float *)(region + gm->y.scales) + t * gm->blocks + c / EPX_FP8_BLOCK;
+      const int n = (w + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
       for (int j = 0; fp8 && j < m; j++)
-        for (int b = lane; b < n; b += EPXC_WARP) dscale[j][b] = stage_scales[first + b];
+        for (int x = lane; x < n; x += EPXC_WARP) dscale[j][x] = scales[x];
     }
   }
 }
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
 
 /* Two half-size blocks per SM of the budget: the SM's 1024 threads, as a work kernel's one
  * block has, while the ranks x num_sms <= SM count rule still makes every block of every rank
  * on the GPU resident at once. */
 static int ll_blocks(const epxc_shape_t *s) { return EPXC_LL_BLOCKS_PER_SM * s->num_sms; }
 
+extern "C" size_t epxc_ll_smem(int R, int E, int64_t max_tokens) {
+  return sizeof(uint32_t) * (size_t)(R + E) * (size_t)((max_tokens + 31) / 32);
+}
+
+/* SEND: plan, push, and (the last block) post. */
+static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
+                                     const epxc_route_t *r, const epxc_dispatch_t *a, const epxc_stamp_t stamp,
+                                     int half, uint64_t epoch, uint64_t calls) {
+  extern __shared__ uint32_t bits[]; /* [E + R, W] */
+  __shared__ char *to[EPX_MAX_RANKS];
+  epxc_ll_t *ll = b->dev;
+  const ll_geom_t gm = geom_of(s);
+  find_inboxes(s, g, b->id, epoch, false, to);
+  const int32_t status = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
+  const int64_t T = status == EPX_SUCCESS ? r->num_tokens : 0; /* refused: nothing of this rank is pushed */
+  if (blockIdx.x == 0) {
+    push_headers(s, &gm, b, half, T, bits, to);
+    if (threadIdx.x == 0) ll->step[half].num_tokens = T, ll->step[half].status = status;
+  }
+  const slicing_t sl = slicing(T, s->hidden);
+  for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
+    const int64_t t = i / sl.count;
+    const int c = (int)(i - t * sl.count) * sl.width;
+    push_token(s, &gm, b, r, a, half, t, c, min(sl.width, s->hidden - c), bits, to);
+  }
+  if (arrive_last(g->state[g->rank])) {
+    const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp);
+    if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
+  }
+}
+
 static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
-    ll_dispatch_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_route_t route, epxc_dispatch_t a,
+    ll_dispatch_kernel(const __grid_constant__ epxc_shape_t s, const __grid_constant__ epxc_group_t g,
+                       const __grid_constant__ epxc_ll_bufs_t b, epxc_route_t route, epxc_dispatch_t a,
                        epxc_stamp_t stamp) {
   LL_TRACE_DECL;
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
+  epxc_ll_t *ll = b.dev;
   if (((volatile epxc_state_t *)st)->aborted) return;
-  /* read before block 0 can move them (it does so only after every block has arrived) */
-  const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->dispatches;
+  const uint64_t seq0 = st->seq, calls = ll->dispatches;
   const bool complete = a.part == EPX_PART_COMPLETE;
-  /* a COMPLETE finishes what its SEND started: that exchange, that plan */
-  const int p = complete ? ll->dispatch_plan : (int)(calls & 1);
+  /* a COMPLETE finishes what its SEND started: that exchange, that step */
+  const int half = complete ? ll->dispatch_half : (int)(calls & 1);
   const uint64_t epoch = complete ? ll->dispatch_epoch : seq0 + 1;
-  epxc_plan_t *plan = ll->plan[p];
-  const int H = s.hidden;
-  const int blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  const bool fp8 = a.recv_dtype == EPX_FP8_E4M3, scaled = a.scale_by_probs != 0;
-  /* staged in the receive type, unless every pair scales its copy: then in x's */
-  const epx_dtype_t stage_dtype = scaled ? a.x_dtype : a.recv_dtype;
-
   if (!complete) {
-    const int64_t T = route.num_tokens;
-    if (blockIdx.x == 0) plan_block(&s, plan, ll->plan[p ^ 1], &route);
-    LL_TRACE(); /* 1: planned */
-    /* the other blocks stage while block 0 plans: its share would come only after its plan */
-    const int block_warps = blockDim.x / EPXC_WARP;
-    const slicing_t sl = slicing(T, H);
-    for (int i = (int)warp_global() - block_warps; blockIdx.x != 0 && T <= s.max_tokens && i < (int)T * sl.count;
-         i += (int)warp_count() - block_warps) {
-      const int t = i / sl.count, c = (i - t * sl.count) * sl.width, w = min(sl.width, H - c);
-      const void *in = (const char *)a.x + slice_offset(a.x_dtype, t, H, c);
-      void *dst = (char *)ll->stage[p] + slice_offset(stage_dtype, t, H, c);
-      float *dscale = fp8 && !scaled ? ll->stage_scales[p] + t * blocks + c / EPX_FP8_BLOCK : NULL;
-      const float one = 1.0f;
-      if (stage_dtype == a.x_dtype)
-        copy_row_raw(in, &dst, 1, w * (int64_t)dtype_bytes(a.x_dtype));
-      else
-        convert_row(in, a.x_dtype, stage_dtype, (int)w, &dst, &dscale, &one, 0, 1);
-    }
-    const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_DISPATCH);
-    LL_TRACE(); /* 2: staged, every block arrived */
-    if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
-    if (blockIdx.x == 0) {
-      if (!arrived && threadIdx.x == 0) st->aborted = 1;
-      __syncthreads();
-      epxc_words_t w = {};
-      w.ll_dispatch.status = (uint64_t)(uint32_t)plan->status;
-      w.ll_dispatch.plan = (uint64_t)(uintptr_t)plan;
-      w.ll_dispatch.stage = (uint64_t)(uintptr_t)ll->stage[p];
-      w.ll_dispatch.stage_scales = (uint64_t)(uintptr_t)ll->stage_scales[p];
-      w.ll_dispatch.stage_dtype = (uint64_t)stage_dtype;
-      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_DISPATCH, &w, stamp);
-      if (threadIdx.x == 0) {
-        ll->dispatches = calls + 1;
-        ll->dispatch_epoch = posted;
-        ll->dispatch_plan = p;
-      }
-      if (a.part == EPX_PART_SEND) return;
-    }
+    dispatch_send(&s, &g, &b, &route, &a, stamp, half, epoch, calls);
+    LL_TRACE(); /* 1: pushed, arrived (and posted, in the last block) */
+    if (a.part == EPX_PART_SEND) return;
   }
-  if (blockIdx.x == 0) {
-    LL_TRACE(); /* 3: posted */
-    const bool met = exchange_wait(&g, EPXC_PH_LL_DISPATCH, st->aborted ? 0 : epoch);
-    LL_TRACE(); /* 4: every peer posted */
-    if (met && st->group_status == EPX_SUCCESS) place_block(&s, &g, plan);
-    if (threadIdx.x == 0) plan->group_status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
-    release_all(st, epoch);
-    LL_TRACE(); /* 5: placed, released */
-  } else if (!wait_ready(&g, st, epoch, EPXC_PH_LL_DISPATCH)) {
-    return;
-  }
-  if (((volatile epxc_plan_t *)plan)->group_status != EPX_SUCCESS) return;
-  write_counts(&s, plan, &a);
-
-  pull_rows(&s, &g, plan, &a);
-  LL_TRACE(); /* 6: block 0's rows copied */
-  LL_TRACE_PRINT("dispatch plan stage post wait place copy");
+  __shared__ int parity[EPX_MAX_RANKS];
+  const bool go = meet(&g, EPXC_PH_LL_DISPATCH, epoch, parity);
+  LL_TRACE(); /* 2: met */
+  if (blockIdx.x == 0 && threadIdx.x < s.nranks) ll->step[half].parity[threadIdx.x] = parity[threadIdx.x];
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    ll->step[half].group_status = go ? EPX_SUCCESS : st->aborted ? EPX_ERR_BROKEN : st->group_status;
+  if (!go) return;
+  const ll_geom_t gm = geom_of(&s);
+  __shared__ int32_t base[EPX_MAX_EXPERTS]; /* [L, R] */
+  place_shared(&s, &gm, &b, half, &a, parity, base);
+  __syncthreads();
+  LL_TRACE(); /* 3: placed */
+  place_rows(&s, &gm, &b, &a, parity, base);
+  LL_TRACE(); /* 4: block 0's rows copied */
+  LL_TRACE_PRINT("dispatch push meet place copy");
 }
 
-extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_route_t *r,
-                                const epxc_dispatch_t *a, const epxc_stamp_t *stamp, void *stream) {
-  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *r, *a, *stamp);
+extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
+                                const epxc_route_t *r, const epxc_dispatch_t *a, const epxc_stamp_t *stamp,
+                                void *stream) {
+  const size_t smem = epxc_ll_smem(s->nranks, s->num_experts, s->max_tokens);
+  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, *b, *r, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
 /* ---- combine ------------------------------------------------------------------------------- */
 
-/* Across processes: the row weight gradients of the rows in use, copied where peers reach
- * them (every block takes a share). */
-static __device__ void stage_wgrad(const epxc_shape_t *s, const epxc_plan_t *plan, const float *from, float *to) {
-  const int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
-  for (int l = 0; l < s->num_local; l++)
-    for (int64_t i = i0; i < plan->pairs_local[l]; i += step) to[plan->block[l] + i] = from[plan->block[l] + i];
+/* The partials of the tokens that came here, each written straight into its source's combine
+ * inbox (row t of this rank's region there): its rows here weighted and summed in ascending
+ * local expert, as the contract orders them; the first slice's warp also writes the row
+ * weight gradients of its slots there. */
+static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int pd,
+                                     int half, const epxc_combine_t *a, const int *parity, char *const *to) {
+  const int H = s->hidden, R = s->nranks, K = s->topk, lane = lane_id();
+  const int64_t candidates = (int64_t)R * s->max_tokens;
+  const int32_t *base = b->recv_base[pd];
+  const slicing_t sl = slicing(candidates, H);
+  for (int64_t i = warp_global(); i < candidates * sl.count; i += warp_count()) {
+    const int64_t pair = i / sl.count;
+    const int c = (int)(i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
+    const int q = (int)(pair / s->max_tokens);
+    const int64_t t = pair - (int64_t)q * s->max_tokens;
+    const char *region = region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q);
+    if (!to[q] || !came_here(gm, region, t)) continue;
+    int k;
+    int64_t row;
+    float my_w;
+    const int m = read_record(region, gm, t, R, q, base, &k, &row, &my_w);
+    if (lane < m) my_w = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row] : my_w;
+    const void *rows[EPXC_MAX_TOPK];
+    float wj[EPXC_MAX_TOPK];
+    for (int j = 0; j < m; j++) {
+      rows[j] = (const char *)a->y + slice_offset(a->y_dtype, __shfl_sync(0xffffffffu, row, j), H, c);
+      wj[j] = __shfl_sync(0xffffffffu, my_w, j);
+    }
+    char *out = region_of(to[q], gm->y.combine_region, R, half, s->rank);
+    reduce_rows(rows, wj, m, a->y_dtype, out + slice_offset(a->y_dtype, t, H, c), a->y_dtype, w);
+    if (c == 0 && lane < m && a->row_weight_grad)
+      ((float *)(out + gm->y.wgrad))[t * K + k] = a->row_weight_grad[row];
+  }
 }
 
-static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
-    ll_combine_kernel(epxc_shape_t s, epxc_group_t g, epxc_ll_t *ll, epxc_combine_t a, epxc_stamp_t stamp) {
-  LL_TRACE_DECL;
-  LL_TRACE();
-  epxc_state_t *st = g.state[g.rank];
-  if (((volatile epxc_state_t *)st)->aborted) return;
-  const uint64_t seq0 = st->seq, r = st->ll_rounds + 1, calls = ll->combines;
-  const bool complete = a.part == EPX_PART_COMPLETE;
-  const epxc_plan_t *plan = ll->plan[complete ? ll->combine_plan : (int)((ll->dispatches - 1) & 1)];
-  const uint64_t epoch = complete ? ll->combine_epoch : seq0 + 1;
-  /* A refused plan is refused on every rank: all skip the work but still meet, so a rank that
-   * fails its arguments (and only posts) meets them too. */
-  const bool live = plan->group_status == EPX_SUCCESS;
-  const int H = s.hidden, R = s.nranks, me = s.rank;
-
-  if (!complete) {
-    /* partials of the tokens that came here: row (source, token), local experts ascending */
-    void *partials = ll->partials[calls & 1];
-    const int candidates = R * s.max_tokens;
-    const slicing_t sl = slicing(candidates, H);
-    for (int i = (int)warp_global(); live && i < candidates * sl.count; i += (int)warp_count()) {
-      int src_rank;
-      int64_t t;
-      const int pair = i / sl.count, c = (i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
-      if (!pair_arrived(&s, plan, pair, &src_rank, &t)) continue;
-      partial_of_token(&s, plan, src_rank, &plan->peer[src_rank], t, &a,
-                       (char *)partials + slice_offset(a.y_dtype, pair, H, c), c, w);
-    }
-    /* Across processes peers reach only this rank's arena: the weight gradients go there first
-     * (double-buffered like the partials, for the same reason). */
-    const float *wgrad = a.row_weight_grad;
-    if (wgrad && ll->wgrad[0]) {
-      if (live) stage_wgrad(&s, plan, wgrad, ll->wgrad[calls & 1]);
-      wgrad = ll->wgrad[calls & 1];
-    }
-    LL_TRACE(); /* 1: partials */
-    const bool arrived = arrive_all(&g, st, r, EPXC_PH_LL_COMBINE);
-    LL_TRACE(); /* 2: every block arrived */
-    if (blockIdx.x != 0 && a.part == EPX_PART_SEND) return;
-    if (blockIdx.x == 0) {
-      if (!arrived && threadIdx.x == 0) st->aborted = 1;
-      __syncthreads();
-      epxc_words_t w = {};
-      w.combine.status = (uint64_t)(uint32_t)plan->group_status;
-      w.combine.rows = (uint64_t)(uintptr_t)partials;
-      w.combine.row_weight_grad = (uint64_t)(uintptr_t)wgrad;
-      const uint64_t posted = exchange_post(&g, EPXC_PH_LL_COMBINE, &w, stamp);
-      if (threadIdx.x == 0) {
-        ll->combines = calls + 1;
-        ll->combine_epoch = posted;
-        ll->combine_plan = (int)((ll->dispatches - 1) & 1);
-      }
-      if (a.part == EPX_PART_SEND) return;
-    }
-  }
-  if (blockIdx.x == 0) {
-    LL_TRACE(); /* 3: posted */
-    exchange_wait(&g, EPXC_PH_LL_COMBINE, st->aborted ? 0 : epoch);
-    release_all(st, epoch);
-    LL_TRACE(); /* 4: every peer posted, released */
-  } else if (!wait_ready(&g, st, epoch, EPXC_PH_LL_COMBINE)) {
-    return;
-  }
-  if (((volatile epxc_state_t *)st)->aborted || ((volatile epxc_state_t *)st)->group_status != EPX_SUCCESS) return;
-
-  /* this rank's tokens: partials summed in destination order */
-  const int64_t T = plan->num_tokens, W = plan->words;
+/* This rank's tokens: their partials summed in rank order from this rank's combine inbox, and
+ * the weight gradient of every slot (0 for a slot that routed nowhere). */
+static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int pd,
+                                  const epxc_combine_t *a, const int *parity) {
+  const int H = s->hidden, R = s->nranks, K = s->topk, L = s->num_local, lane = lane_id();
+  const int64_t T = b->dev->step[pd].num_tokens;
+  const uint32_t *rank_bits = b->rank_bits[pd];
   const slicing_t sl = slicing(T, H);
-  for (int i = (int)warp_global(); i < (int)T * sl.count; i += (int)warp_count()) {
-    const int t = i / sl.count, c = (i - t * sl.count) * sl.width, w = min(sl.width, H - c);
+  for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
+    const int64_t t = i / sl.count;
+    const int c = (int)(i - t * sl.count) * sl.width, w = min(sl.width, H - c);
     const void *rows[EPX_MAX_RANKS];
     int m = 0;
     for (int d = 0; d < R; d++)
-      if (bit_set(plan->rank_bits + (int64_t)d * W, t))
-        rows[m++] = (const char *)peer_ptr(&g, d, posted(&g, d)->combine.rows) +
-                    slice_offset(a.y_dtype, (int64_t)me * s.max_tokens + t, H, c);
-    reduce_rows(rows, NULL, m, a.y_dtype, (char *)a.out + slice_offset(a.out_dtype, t, H, c), a.out_dtype, (int)w);
-    if (c == 0) slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
+      if (bit_set(rank_bits + (int64_t)d * gm->W, t))
+        rows[m++] = region_of(b->combine_inbox, gm->y.combine_region, R, parity[d], d) +
+                    slice_offset(a->y_dtype, t, H, c);
+    reduce_rows(rows, NULL, m, a->y_dtype, (char *)a->out + slice_offset(a->out_dtype, t, H, c), a->out_dtype, w);
+    if (c == 0 && lane < K && a->topk_weight_grad) {
+      const int e = b->idx[pd][t * K + lane];
+      const char *from = e < 0 ? NULL : region_of(b->combine_inbox, gm->y.combine_region, R, parity[e / L], e / L);
+      a->topk_weight_grad[t * K + lane] = from ? ((const float *)(from + gm->y.wgrad))[t * K + lane] : 0.0f;
+    }
   }
-  LL_TRACE(); /* 5: block 0's sums */
-  LL_TRACE_PRINT("combine partials arrive post wait sum");
 }
 
-extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, epxc_ll_t *ll_dev, const epxc_combine_t *a,
-                               const epxc_stamp_t *stamp, void *stream) {
-  ll_combine_kernel<<<ll_blocks(s), EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, ll_dev, *a, *stamp);
+static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
+    ll_combine_kernel(const __grid_constant__ epxc_shape_t s, const __grid_constant__ epxc_group_t g,
+                      const __grid_constant__ epxc_ll_bufs_t b, epxc_combine_t a, epxc_stamp_t stamp) {
+  LL_TRACE_DECL;
+  LL_TRACE();
+  epxc_state_t *st = g.state[g.rank];
+  epxc_ll_t *ll = b.dev;
+  if (((volatile epxc_state_t *)st)->aborted) return;
+  const uint64_t seq0 = st->seq, calls = ll->combines;
+  const bool complete = a.part == EPX_PART_COMPLETE;
+  const int pd = complete ? ll->combine_half : (int)((ll->dispatches - 1) & 1); /* the dispatch it inverts */
+  const uint64_t epoch = complete ? ll->combine_epoch : seq0 + 1;
+  const ll_geom_t gm = geom_of(&s);
+  __shared__ int parity[EPX_MAX_RANKS];
+  if (!complete) {
+    /* A refused dispatch is refused on every rank: all skip the work but still meet, so a rank
+     * that fails its arguments (and only posts) meets them too. */
+    const int32_t refused = ll->step[pd].group_status;
+    __shared__ char *to[EPX_MAX_RANKS];
+    find_inboxes(&s, &g, b.id, epoch, true, to);
+    if (threadIdx.x < s.nranks) parity[threadIdx.x] = ll->step[pd].parity[threadIdx.x];
+    __syncthreads();
+    if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
+    LL_TRACE(); /* 1: partials pushed */
+    if (arrive_last(st)) {
+      const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp);
+      if (threadIdx.x == 0) ll->combines = calls + 1, ll->combine_epoch = posted, ll->combine_half = pd;
+    }
+    if (a.part == EPX_PART_SEND) return; /* arrive_last synchronised the block: parity[] may be rewritten */
+  }
+  const bool go = meet(&g, EPXC_PH_LL_COMBINE, epoch, parity);
+  LL_TRACE(); /* 2: met */
+  if (!go) return;
+  sum_tokens(&s, &gm, &b, pd, &a, parity);
+  LL_TRACE(); /* 3: block 0's sums */
+  LL_TRACE_PRINT("combine push meet sum");
+}
+
+extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
+                               const epxc_combine_t *a, const epxc_stamp_t *stamp, void *stream) {
+  ll_combine_kernel<<<ll_blocks(s), EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, *b, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
 extern "C" int epxc_preload_ll(size_t *stack) {
+  const cudaError_t e = cudaFuncSetAttribute((const void *)ll_dispatch_kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, EPXC_LL_SMEM_MAX);
+  if (e != cudaSuccess) return (int)e;
   const void *const kernels[] = {(const void *)ll_dispatch_kernel, (const void *)ll_combine_kernel};
   return (int)preload_kernels(kernels, sizeof kernels / sizeof *kernels, stack);
 }

@@ -3,28 +3,68 @@
  * when the caller asks (EPX_PART_SEND, then EPX_PART_COMPLETE with the same arguments). */
 #include "cuda/backend.h"
 
-/* Low-latency handles have every buffer at its final size from the start: two plans for
- * max_tokens_per_rank tokens, staging and partials for any element type (and, across
- * processes, the row weight gradients peers read). */
-static epx_status_t ll_create(const epx_comm_t *c, cuda_handle_t *ch, cudaStream_t st) {
+/* Low-latency handles have every buffer at its final size from the start: per dispatch half
+ * the normalised routing and what the combine needs of it, and the two inboxes peers push
+ * into (cuda_shared.h, "The low-latency path"), which the comm's state then publishes under
+ * the handle's id. Shapes whose routing bitmaps do not fit a block's shared memory are refused. */
+static epx_status_t ll_create(const epx_handle_t *h, cuda_handle_t *ch, cudaStream_t st) {
+  const epx_comm_t *c = h->comm;
   cuda_comm_t *cc = CC(c);
   const int64_t T = c->cfg.max_tokens_per_rank > 0 ? c->cfg.max_tokens_per_rank : 1, H = c->cfg.hidden;
-  const int64_t blocks = (H + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK, R = c->nranks, L = c->num_local_experts;
+  const int64_t R = c->nranks, L = c->num_local_experts, K = c->cfg.topk, W = (T + 31) / 32;
+  const int E = c->cfg.num_experts;
   const char *what = "low-latency buffers";
+  const size_t smem = epxc_ll_smem((int)R, E, T);
+  if (smem > EPXC_LL_SMEM_MAX)
+    return epxi_fail(EPX_ERR_UNSUPPORTED,
+                     "low-latency handle: max_tokens_per_rank %lld with %d experts and %lld ranks needs %zu bytes of "
+                     "routing bitmaps per block, more than the %d a block may take: use fewer tokens per step",
+                     (long long)T, E, (long long)R, smem, EPXC_LL_SMEM_MAX);
+  const int slot = (int)(h->id % EPXC_LL_INBOXES);
+  if (cc->ll_inbox_key[slot])
+    return epxi_fail(EPX_ERR_UNSUPPORTED,
+                     "low-latency handle %llu: handle %llu still holds its inbox entry (ids equal modulo %d): at most "
+                     "%d low-latency handles of a comm live at once, made in a row",
+                     (unsigned long long)h->id, (unsigned long long)cc->ll_inbox_key[slot], EPXC_LL_INBOXES,
+                     EPXC_LL_INBOXES);
+  const epxc_ll_layout_t y = epxc_ll_layout((int)L, (int)K, T, (int)H);
+  ch->ll.id = h->id;
   for (int i = 0; i < 2; i++) {
-    EPX_CHECK(plan_arrays(c, &ch->ll_plan[i], T, st));
-    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.plan[i], sizeof(epxc_plan_t), st, what));
-    CUDA_TRY(cudaMemcpyAsync(ch->ll.plan[i], &ch->ll_plan[i], sizeof(epxc_plan_t), cudaMemcpyHostToDevice, st), what);
-    EPX_CHECK(dev_alloc(cc, &ch->ll.stage[i], sizeof(float) * T * H, st, what));
-    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.stage_scales[i], sizeof(float) * T * blocks, st, what));
-    EPX_CHECK(dev_alloc(cc, &ch->ll.partials[i], sizeof(float) * R * T * H, st, what));
-    if (!cc->transport->caller_memory)
-      EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.wgrad[i], sizeof(float) * L * R * T, st, what));
+    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.idx[i], sizeof(int32_t) * T * K, st, what));
+    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.weight[i], sizeof(float) * T * K, st, what));
+    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.rank_bits[i], sizeof(uint32_t) * R * W, st, what));
+    EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.recv_base[i], sizeof(int32_t) * L * R, st, what));
   }
-  EPX_CHECK(dev_alloc(cc, (void **)&ch->ll_dev, sizeof(epxc_ll_t), st, what));
-  CUDA_TRY(cudaMemcpyAsync(ch->ll_dev, &ch->ll, sizeof(epxc_ll_t), cudaMemcpyHostToDevice, st), what);
-  CUDA_TRY(wait_stream(c, st), what); /* the uploads read ch's memory */
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.dispatch_inbox, 2 * R * y.region, st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.combine_inbox, 2 * R * y.combine_region, st, what));
+  EPX_CHECK(dev_alloc(cc, (void **)&ch->ll.dev, sizeof(epxc_ll_t), st, what));
+  CUDA_TRY(cudaMemsetAsync(ch->ll.dev, 0, sizeof(epxc_ll_t), st), what);
+  epxc_ll_inbox_t entry = {.key = h->id,
+                           .dispatch_inbox = (uint64_t)(uintptr_t)ch->ll.dispatch_inbox,
+                           .combine_inbox = (uint64_t)(uintptr_t)ch->ll.combine_inbox};
+  epxc_ll_shape_key((int)R, (int)L, (int)K, T, (int)H, entry.shape);
+  ch->ll_entry = entry;
+  CUDA_TRY(cudaMemcpyAsync(&cc->state->ll_inbox[slot], &ch->ll_entry, sizeof entry, cudaMemcpyHostToDevice, st), what);
+  cc->ll_inbox_key[slot] = h->id;
+  ch->ll_published = true;
   return EPX_SUCCESS;
+}
+
+/* The inbox entry goes first: a peer that still looks for it finds nothing, not freed memory. */
+static void ll_destroy(const epx_handle_t *h, cuda_handle_t *ch, cudaStream_t st) {
+  cuda_comm_t *cc = CC(h->comm);
+  const int slot = (int)(ch->ll.id % EPXC_LL_INBOXES);
+  if (ch->ll_published) {
+    cudaMemsetAsync(&cc->state->ll_inbox[slot], 0, sizeof(epxc_ll_inbox_t), st);
+    wait_stream(h->comm, st);
+    cc->ll_inbox_key[slot] = 0;
+  }
+  void *bufs[] = {ch->ll.dispatch_inbox, ch->ll.combine_inbox, ch->ll.dev};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev_free(cc, bufs[i]);
+  for (int i = 0; i < 2; i++) {
+    void *half[] = {ch->ll.idx[i], ch->ll.weight[i], ch->ll.rank_bits[i], ch->ll.recv_base[i]};
+    for (size_t j = 0; j < sizeof half / sizeof *half; j++) dev_free(cc, half[j]);
+  }
 }
 
 /* Planned inside the dispatch that follows, in the same launch. */
@@ -51,7 +91,7 @@ static epx_status_t ll_dispatch(epx_comm_t *c, epx_handle_t *h, const epx_dispat
   ch->ll_dispatched = true;
   ch->ll_send_dispatch = *d;
   const epxc_stamp_t stamp = stamp_of(c);
-  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, ch->ll_dev, &route, d, &stamp, st), "low-latency dispatch");
+  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, &ch->ll, &route, d, &stamp, st), "low-latency dispatch");
   return EPX_SUCCESS;
 }
 
@@ -62,7 +102,7 @@ static epx_status_t ll_dispatch_complete(epx_comm_t *c, epx_handle_t *h, const e
   d.part = EPX_PART_COMPLETE;
   epxc_route_t none = {.num_tokens = ch->num_tokens, .replay = 1};
   const epxc_stamp_t unposted = {{0}}; /* a COMPLETE waits on what its SEND posted */
-  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, ch->ll_dev, &none, &d, &unposted, st), "low-latency dispatch");
+  LAUNCH_TRY(epxc_ll_dispatch(s, &CC(c)->group, &ch->ll, &none, &d, &unposted, st), "low-latency dispatch");
   return EPX_SUCCESS;
 }
 
@@ -76,7 +116,7 @@ static epx_status_t ll_combine(epx_comm_t *c, epx_handle_t *h, const epx_combine
                                 "handle to invert", c->rank));
   ch->ll_send_combine = *k;
   const epxc_stamp_t stamp = stamp_of(c);
-  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, ch->ll_dev, k, &stamp, st), "low-latency combine");
+  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, &ch->ll, k, &stamp, st), "low-latency combine");
   return EPX_SUCCESS;
 }
 
@@ -85,7 +125,7 @@ static epx_status_t ll_combine_complete(epx_comm_t *c, epx_handle_t *h, const ep
   epxc_combine_t k = ch->ll_send_combine;
   k.part = EPX_PART_COMPLETE;
   const epxc_stamp_t unposted = {{0}}; /* a COMPLETE waits on what its SEND posted */
-  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, ch->ll_dev, &k, &unposted, st), "low-latency combine");
+  LAUNCH_TRY(epxc_ll_combine(s, &CC(c)->group, &ch->ll, &k, &unposted, st), "low-latency combine");
   return EPX_SUCCESS;
 }
 
@@ -107,6 +147,7 @@ static epx_status_t ll_abort(epx_comm_t *c, epx_handle_t *h, epxi_op_t op, epx_s
 const cuda_algo_t epxc_algo_ll = {
     .name = "low-latency",
     .create = ll_create,
+    .destroy = ll_destroy,
     .notify = ll_notify,
     .dispatch = ll_dispatch,
     .dispatch_complete = ll_dispatch_complete,
