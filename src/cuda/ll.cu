@@ -27,14 +27,18 @@ static_assert(EPX_MAX_RANKS <= EPXC_WARP * 2, "a block's first two warps read ev
  * ended (trace.cuh: the launch's start, then ns since it): where a decode step's latency goes. */
 #ifdef EPX_LL_TRACE
 #include "cuda/trace.cuh"
-#define LL_TRACE_DECL epxc_trace_t trace_ = {{0}, 0}
-#define LL_TRACE() trace_mark(&trace_, threadIdx.x == 0 && blockIdx.x == 0)
+#define LL_TRACE_DECL epxc_trace_t trace_store_ = {{0}, 0}, *trace_ = &trace_store_
+#define LL_TRACE() trace_mark(trace_, threadIdx.x == 0 && blockIdx.x == 0)
 #define LL_TRACE_PRINT(what) \
-  trace_print(&trace_, threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0, "lltrace " what, 0)
+  trace_print(trace_, threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0, "lltrace " what, 0)
+#define LL_TRACE_PARAM , epxc_trace_t *trace_ /* a function that marks phases of its own */
+#define LL_TRACE_ARG , trace_
 #else
 #define LL_TRACE_DECL
 #define LL_TRACE() EPXC_NO_TRACE
 #define LL_TRACE_PRINT(what) EPXC_NO_TRACE
+#define LL_TRACE_PARAM
+#define LL_TRACE_ARG
 #endif
 
 /* ---- shapes and places --------------------------------------------------------------------- */
@@ -110,10 +114,12 @@ static __device__ bool arrive_last(epxc_state_t *st) {
 
 /* Where this rank pushes on each rank d (to[d]): d's inbox of this handle, found in d's state
  * and translated. NULL when d has no such inbox, which d's post of this exchange shows (d is
- * in it with another kind of handle: the exchange then says why), or when d never makes one in
- * time (the exchange then times out on d too). Threads d < R of the block. */
+ * in it with another kind of handle: the exchange then says why), or when d fails or never
+ * makes one in time (the exchange then fails on d too). Threads d < R of the block; other[d]
+ * says (after the block's next barrier) that d's inbox has another shape (its
+ * max_tokens_per_rank differs): this rank then refuses the call, as a mismatch. */
 static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g, uint64_t id, uint64_t epoch,
-                                    bool combine, char **to) {
+                                    bool combine, char **to, int *other) {
   const int d = threadIdx.x;
   if (d >= s->nranks) return;
   const volatile epxc_ll_inbox_t *e = &g->state[d]->ll_inbox[id % EPXC_LL_INBOXES];
@@ -130,9 +136,19 @@ static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g
       break;
     }
     if (in_exchange) break;
-    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) break;
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK &&
+        (fatal_status(((volatile epxc_error_t *)&g->errors[d])->status) || globaltimer_ns() - start > g->timeout_ns))
+      break;
   }
   to[d] = at;
+  other[d] = e->key == id && !at;
+}
+
+/* Whether any of n flags is set. */
+static __device__ __forceinline__ bool any_of(const int *v, int n) {
+  for (int i = 0; i < n; i++)
+    if (v[i]) return true;
+  return false;
 }
 
 /* Block 0 lets the other blocks go on (also when it failed: they then see why and stop). */
@@ -251,6 +267,13 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
   const int K = s->topk, E = s->num_experts, L = s->num_local;
   const int64_t T = r->num_tokens;
   __shared__ unsigned long long bad_key;
+  /* this thread's first token is read before the bitmaps are cleared: its round trip to memory
+   * overlaps the clearing and the barrier (a decode step has a token a thread, or none) */
+  int32_t ids[EPXC_MAX_TOPK];
+  float ws[EPXC_MAX_TOPK];
+  int bad = 0, st = EPX_SUCCESS;
+  int64_t t = threadIdx.x;
+  if (t < T && T <= s->max_tokens) st = token_route(s, b, r, half, t, ids, ws, &bad);
   for (int i = threadIdx.x; i < (E + s->nranks) * W; i += blockDim.x) bits[i] = 0;
   if (threadIdx.x == 0) {
     const bool void_replay = r->replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS);
@@ -260,11 +283,8 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
   }
   __syncthreads();
   const bool go = bad_key == ~0ull;
-  for (int64_t t = threadIdx.x; go && t < T; t += blockDim.x) {
-    int32_t ids[EPXC_MAX_TOPK];
-    float ws[EPXC_MAX_TOPK];
-    int bad = 0;
-    const int st = token_route(s, b, r, half, t, ids, ws, &bad);
+  for (; go && t < T; t += blockDim.x) {
+    if (t != threadIdx.x) st = token_route(s, b, r, half, t, ids, ws, &bad);
     if (st != EPX_SUCCESS) {
       atomicMin(&bad_key, bad_route_key(t, bad, st));
       continue;
@@ -481,13 +501,16 @@ extern "C" size_t epxc_ll_smem(int R, int E, int64_t max_tokens) {
 /* SEND: plan, push, and (the last block) post. */
 static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
                                      const epxc_route_t *r, const epxc_dispatch_t *a, const epxc_stamp_t stamp,
-                                     int half, uint64_t epoch, uint64_t calls) {
+                                     int half, uint64_t epoch, uint64_t calls LL_TRACE_PARAM) {
   extern __shared__ uint32_t bits[]; /* [E + R, W] */
   __shared__ char *to[EPX_MAX_RANKS];
+  __shared__ int other[EPX_MAX_RANKS];
   epxc_ll_t *ll = b->dev;
   const ll_geom_t gm = geom_of(s);
-  find_inboxes(s, g, b->id, epoch, false, to);
-  const int32_t status = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
+  find_inboxes(s, g, b->id, epoch, false, to, other);
+  const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
+  const int32_t status = any_of(other, s->nranks) ? EPX_ERR_CONFIG_MISMATCH : planned;
+  LL_TRACE(); /* 1: planned */
   const int64_t T = status == EPX_SUCCESS ? r->num_tokens : 0; /* refused: nothing of this rank is pushed */
   if (blockIdx.x == 0) {
     push_headers(s, &gm, b, half, T, bits, to);
@@ -499,6 +522,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
     const int c = (int)(i - t * sl.count) * sl.width;
     push_token(s, &gm, b, r, a, half, t, c, min(sl.width, s->hidden - c), bits, to);
   }
+  LL_TRACE(); /* 2: block 0's rows pushed */
   if (arrive_last(g->state[g->rank])) {
     const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp);
     if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
@@ -513,20 +537,23 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
   epxc_ll_t *ll = b.dev;
-  if (((volatile epxc_state_t *)st)->aborted) return;
-  const uint64_t seq0 = st->seq, calls = ll->dispatches;
+  /* every load at once: one round trip */
+  const int aborted = ((volatile epxc_state_t *)st)->aborted;
+  const uint64_t seq0 = st->seq, calls = ll->dispatches, sent_epoch = ll->dispatch_epoch;
+  const int sent_half = ll->dispatch_half;
+  if (aborted) return;
   const bool complete = a.part == EPX_PART_COMPLETE;
   /* a COMPLETE finishes what its SEND started: that exchange, that step */
-  const int half = complete ? ll->dispatch_half : (int)(calls & 1);
-  const uint64_t epoch = complete ? ll->dispatch_epoch : seq0 + 1;
+  const int half = complete ? sent_half : (int)(calls & 1);
+  const uint64_t epoch = complete ? sent_epoch : seq0 + 1;
   if (!complete) {
-    dispatch_send(&s, &g, &b, &route, &a, stamp, half, epoch, calls);
-    LL_TRACE(); /* 1: pushed, arrived (and posted, in the last block) */
+    dispatch_send(&s, &g, &b, &route, &a, stamp, half, epoch, calls LL_TRACE_ARG);
+    LL_TRACE(); /* 3: every block arrived (and the last one posted) */
     if (a.part == EPX_PART_SEND) return;
   }
   __shared__ int parity[EPX_MAX_RANKS];
   const bool go = meet(&g, EPXC_PH_LL_DISPATCH, epoch, parity);
-  LL_TRACE(); /* 2: met */
+  LL_TRACE(); /* 4: met */
   if (blockIdx.x == 0 && threadIdx.x < s.nranks) ll->step[half].parity[threadIdx.x] = parity[threadIdx.x];
   if (blockIdx.x == 0 && threadIdx.x == 0)
     ll->step[half].group_status = go ? EPX_SUCCESS : st->aborted ? EPX_ERR_BROKEN : st->group_status;
@@ -535,10 +562,10 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   __shared__ int32_t base[EPX_MAX_EXPERTS]; /* [L, R] */
   place_shared(&s, &gm, &b, half, &a, parity, base);
   __syncthreads();
-  LL_TRACE(); /* 3: placed */
+  LL_TRACE(); /* 5: placed */
   place_rows(&s, &gm, &b, &a, parity, base);
-  LL_TRACE(); /* 4: block 0's rows copied */
-  LL_TRACE_PRINT("dispatch push meet place copy");
+  LL_TRACE(); /* 6: block 0's rows copied */
+  LL_TRACE_PRINT("dispatch plan push arrive meet place copy");
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
@@ -619,21 +646,26 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   LL_TRACE();
   epxc_state_t *st = g.state[g.rank];
   epxc_ll_t *ll = b.dev;
-  if (((volatile epxc_state_t *)st)->aborted) return;
-  const uint64_t seq0 = st->seq, calls = ll->combines;
+  /* every load at once: one round trip */
+  const int aborted = ((volatile epxc_state_t *)st)->aborted;
+  const uint64_t seq0 = st->seq, calls = ll->combines, dispatches = ll->dispatches, sent_epoch = ll->combine_epoch;
+  const int sent_half = ll->combine_half;
+  if (aborted) return;
   const bool complete = a.part == EPX_PART_COMPLETE;
-  const int pd = complete ? ll->combine_half : (int)((ll->dispatches - 1) & 1); /* the dispatch it inverts */
-  const uint64_t epoch = complete ? ll->combine_epoch : seq0 + 1;
+  const int pd = complete ? sent_half : (int)((dispatches - 1) & 1); /* the dispatch it inverts */
+  const uint64_t epoch = complete ? sent_epoch : seq0 + 1;
   const ll_geom_t gm = geom_of(&s);
   __shared__ int parity[EPX_MAX_RANKS];
   if (!complete) {
     /* A refused dispatch is refused on every rank: all skip the work but still meet, so a rank
      * that fails its arguments (and only posts) meets them too. */
-    const int32_t refused = ll->step[pd].group_status;
+    const int32_t dispatched = ll->step[pd].group_status;
     __shared__ char *to[EPX_MAX_RANKS];
-    find_inboxes(&s, &g, b.id, epoch, true, to);
+    __shared__ int other[EPX_MAX_RANKS];
+    find_inboxes(&s, &g, b.id, epoch, true, to, other);
     if (threadIdx.x < s.nranks) parity[threadIdx.x] = ll->step[pd].parity[threadIdx.x];
     __syncthreads();
+    const int32_t refused = any_of(other, s.nranks) ? EPX_ERR_CONFIG_MISMATCH : dispatched;
     if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
     LL_TRACE(); /* 1: partials pushed */
     if (arrive_last(st)) {
