@@ -7,9 +7,10 @@
  * work kernels then read peers' memory directly; a closing exchange tells the peers this rank
  * has finished reading theirs. An exchange is a kernel of its own, or the last part of one
  * block of a work kernel (notify's, the low-latency kernels'). A rank thus writes only its own
- * outputs, and only exchanges need the ranks to be co-resident. Peer pointers come from
- * whatever transport made them: the kernels do not care whether a peer is on this GPU or
- * across NVLink. */
+ * outputs, and only exchanges need the ranks to be co-resident. The low-latency kernels are
+ * the exception: their sources push into inboxes on the destinations before they post (see
+ * "The low-latency path" below). Peer pointers come from whatever transport made them: the
+ * kernels do not care whether a peer is on this GPU or across NVLink. */
 #ifndef EPX_CUDA_SHARED_H
 #define EPX_CUDA_SHARED_H
 
