@@ -78,6 +78,18 @@ static __device__ slicing_t slicing(int64_t rows, int hidden) {
   return (slicing_t){width, (hidden + width - 1) / width};
 }
 
+/* Item i of a walk over rows in slices: its row and its channels [c, c + w). */
+typedef struct {
+  int64_t row;
+  int c, w;
+} slice_t;
+
+static __device__ __forceinline__ slice_t slice_at(slicing_t sl, int hidden, int64_t i) {
+  const int64_t row = i / sl.count;
+  const int c = (int)(i - row * sl.count) * sl.width;
+  return (slice_t){row, c, min(sl.width, hidden - c)};
+}
+
 /* Byte offset of channel c of row t in a [*, hidden] array of type dt (where a slice starts). */
 static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t, int hidden, int64_t c) {
   return ((size_t)t * hidden + (size_t)c) * dtype_bytes(dt);
@@ -428,42 +440,62 @@ static __device__ __forceinline__ bool came_here(const ll_geom_t *gm, const char
   return t < *(const int32_t *)region && bit_set((const uint32_t *)(region + gm->y.rbits), t);
 }
 
-/* The token's record: lane j < the return value gets its j-th slot here (local expert l, the
- * source's slot k), its row here (base + its place) and its weight. */
-static __device__ __forceinline__ int read_record(const char *region, const ll_geom_t *gm, int64_t t, int R, int q,
-                                                  const int32_t *base, int *k, int64_t *row, float *weight) {
-  const epxc_ll_meta_t *meta = (const epxc_ll_meta_t *)(region + gm->y.meta) + t;
-  const int n = meta->n, lane = lane_id();
-  *k = 0, *row = 0, *weight = 0.0f;
-  if (lane < n) {
+/* One item of the walk both the dispatch's placing and the combine's partials make: every
+ * (source q, token t) that may have come here, in slices. */
+typedef struct {
+  const char *region; /* q's region in this rank's dispatch inbox (the half q pushed into) */
+  int q, c, w;        /* the source, the slice's channels [c, c + w) */
+  int64_t t;
+  int m;              /* the token's slots here; lane j < m holds the j-th one (local experts
+                         ascending): the source's slot k, its row here and its weight */
+  int k;
+  int64_t row;
+  float weight;
+} arrival_t;
+
+static __device__ __forceinline__ slicing_t arrivals(const epxc_shape_t *s) {
+  return slicing((int64_t)s->nranks * s->max_tokens, s->hidden);
+}
+
+/* Item i: false when its token did not come here. The record is read with lane j taking
+ * slot j, its row the base of (local expert, q) plus the token's place. */
+static __device__ __forceinline__ bool arrival_at(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b,
+                                                  const int *parity, const int32_t *base, slicing_t sl, int64_t i,
+                                                  arrival_t *x) {
+  const slice_t sc = slice_at(sl, s->hidden, i);
+  x->c = sc.c, x->w = sc.w;
+  x->q = (int)(sc.row / s->max_tokens);
+  x->t = sc.row - (int64_t)x->q * s->max_tokens;
+  x->region = region_of(b->dispatch_inbox, gm->y.region, s->nranks, parity[x->q], x->q);
+  if (!came_here(gm, x->region, x->t)) return false;
+  const epxc_ll_meta_t *meta = (const epxc_ll_meta_t *)(x->region + gm->y.meta) + x->t;
+  const int lane = lane_id();
+  x->m = meta->n;
+  x->k = 0, x->row = 0, x->weight = 0.0f;
+  if (lane < x->m) {
     const int32_t slot = meta->slot[lane];
-    *k = slot >> 16;
-    *row = (int64_t)base[(int64_t)(slot & 0xffff) * R + q] + meta->ord[lane];
-    *weight = meta->weight[lane];
+    x->k = slot >> 16;
+    x->row = (int64_t)base[(int64_t)(slot & 0xffff) * s->nranks + x->q] + meta->ord[lane];
+    x->weight = meta->weight[lane];
   }
-  return n;
+  return true;
 }
 
 /* The rows that came to this rank, from its inbox into their final rows: (source, token)
  * pairs in slices. The first slice of a row writes its weights (recv_probs), the others leave them. */
 static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b,
                                   const epxc_dispatch_t *a, const int *parity, const int32_t *base) {
-  const int H = s->hidden, R = s->nranks, lane = lane_id();
+  const int H = s->hidden, lane = lane_id();
   const bool fp8 = a->recv_dtype == EPX_FP8_E4M3, scaled = a->scale_by_probs != 0;
   const epx_dtype_t stage_dtype = scaled ? a->x_dtype : a->recv_dtype;
-  const int64_t candidates = (int64_t)R * s->max_tokens;
-  const slicing_t sl = slicing(candidates, H);
-  for (int64_t i = warp_global(); i < candidates * sl.count; i += warp_count()) {
-    const int64_t pair = i / sl.count;
-    const int c = (int)(i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
-    const int q = (int)(pair / s->max_tokens);
-    const int64_t t = pair - (int64_t)q * s->max_tokens;
-    const char *region = region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q);
-    if (!came_here(gm, region, t)) continue;
-    int k;
-    int64_t my_row;
-    float my_w;
-    const int m = read_record(region, gm, t, R, q, base, &k, &my_row, &my_w);
+  const slicing_t sl = arrivals(s);
+  for (int64_t i = warp_global(); i < (int64_t)s->nranks * s->max_tokens * sl.count; i += warp_count()) {
+    arrival_t x;
+    if (!arrival_at(s, gm, b, parity, base, sl, i, &x)) continue;
+    const int c = x.c, w = x.w, m = x.m;
+    const int64_t t = x.t, my_row = x.row;
+    const float my_w = x.weight;
+    const char *region = x.region;
     void *dst[EPXC_MAX_TOPK];
     float *dscale[EPXC_MAX_TOPK];
     float factor[EPXC_MAX_TOPK];
@@ -518,9 +550,8 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   }
   const slicing_t sl = slicing(T, s->hidden);
   for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
-    const int64_t t = i / sl.count;
-    const int c = (int)(i - t * sl.count) * sl.width;
-    push_token(s, &gm, b, r, a, half, t, c, min(sl.width, s->hidden - c), bits, to);
+    const slice_t x = slice_at(sl, s->hidden, i);
+    push_token(s, &gm, b, r, a, half, x.row, x.c, x.w, bits, to);
   }
   LL_TRACE(); /* 2: block 0's rows pushed */
   if (arrive_last(g->state[g->rank])) {
@@ -585,20 +616,13 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, co
 static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int pd,
                                      int half, const epxc_combine_t *a, const int *parity, char *const *to) {
   const int H = s->hidden, R = s->nranks, K = s->topk, lane = lane_id();
-  const int64_t candidates = (int64_t)R * s->max_tokens;
-  const int32_t *base = b->recv_base[pd];
-  const slicing_t sl = slicing(candidates, H);
-  for (int64_t i = warp_global(); i < candidates * sl.count; i += warp_count()) {
-    const int64_t pair = i / sl.count;
-    const int c = (int)(i - pair * sl.count) * sl.width, w = min(sl.width, H - c);
-    const int q = (int)(pair / s->max_tokens);
-    const int64_t t = pair - (int64_t)q * s->max_tokens;
-    const char *region = region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q);
-    if (!to[q] || !came_here(gm, region, t)) continue;
-    int k;
-    int64_t row;
-    float my_w;
-    const int m = read_record(region, gm, t, R, q, base, &k, &row, &my_w);
+  const slicing_t sl = arrivals(s);
+  for (int64_t i = warp_global(); i < (int64_t)R * s->max_tokens * sl.count; i += warp_count()) {
+    arrival_t x;
+    if (!arrival_at(s, gm, b, parity, b->recv_base[pd], sl, i, &x) || !to[x.q]) continue;
+    const int c = x.c, w = x.w, m = x.m, k = x.k;
+    const int64_t t = x.t, row = x.row;
+    float my_w = x.weight;
     if (lane < m) my_w = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row] : my_w;
     const void *rows[EPXC_MAX_TOPK];
     float wj[EPXC_MAX_TOPK];
@@ -606,7 +630,7 @@ static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm,
       rows[j] = (const char *)a->y + slice_offset(a->y_dtype, __shfl_sync(0xffffffffu, row, j), H, c);
       wj[j] = __shfl_sync(0xffffffffu, my_w, j);
     }
-    char *out = region_of(to[q], gm->y.combine_region, R, half, s->rank);
+    char *out = region_of(to[x.q], gm->y.combine_region, R, half, s->rank);
     reduce_rows(rows, wj, m, a->y_dtype, out + slice_offset(a->y_dtype, t, H, c), a->y_dtype, w);
     if (c == 0 && lane < m && a->row_weight_grad)
       ((float *)(out + gm->y.wgrad))[t * K + k] = a->row_weight_grad[row];
@@ -622,8 +646,9 @@ static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, co
   const uint32_t *rank_bits = b->rank_bits[pd];
   const slicing_t sl = slicing(T, H);
   for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
-    const int64_t t = i / sl.count;
-    const int c = (int)(i - t * sl.count) * sl.width, w = min(sl.width, H - c);
+    const slice_t x = slice_at(sl, H, i);
+    const int64_t t = x.row;
+    const int c = x.c, w = x.w;
     const void *rows[EPX_MAX_RANKS];
     int m = 0;
     for (int d = 0; d < R; d++)
