@@ -126,12 +126,13 @@ static __device__ bool arrive_last(epxc_state_t *st) {
 
 /* Where this rank pushes on each rank d (to[d]): d's inbox of this handle, found in d's state
  * and translated. NULL when d has no such inbox, which d's post of this exchange shows (d is
- * in it with another kind of handle: the exchange then says why), or when d fails or never
- * makes one in time (the exchange then fails on d too). Threads d < R of the block; other[d]
- * says (after the block's next barrier) that d's inbox has another shape (its
- * max_tokens_per_rank differs): this rank then refuses the call, as a mismatch. */
+ * in it with another kind of handle: the exchange then says why), when d has failed (its
+ * error stops the exchange too), or when d makes none within the timeout: then this rank
+ * records the timeout, for a rank that pushed nothing to a peer that came late must not let
+ * that peer read its inbox as if it had. Threads d < R of the block; why[d] (after the block's
+ * next barrier) is what d's inbox makes of this rank's call (inbox_status). */
 static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g, uint64_t id, uint64_t epoch,
-                                    bool combine, char **to, int *other) {
+                                    bool combine, int phase, char **to, int32_t *why) {
   const int d = threadIdx.x;
   if (d >= s->nranks) return;
   const volatile epxc_ll_inbox_t *e = &g->state[d]->ll_inbox[id % EPXC_LL_INBOXES];
@@ -139,28 +140,35 @@ static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g
   uint64_t want[2];
   epxc_ll_shape_key(s->nranks, s->num_local, s->topk, s->max_tokens, s->hidden, want);
   char *at = NULL;
+  bool late = false;
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0;; spin++) {
-    const bool in_exchange = ld_acquire(posted) >= epoch; /* read before the key: see above */
+    const bool in_exchange = ld_acquire(posted) >= epoch; /* before the key: d wrote its key before it posted */
     if (e->key == id) {
       if (e->shape[0] == want[0] && e->shape[1] == want[1])
         at = (char *)peer_ptr(g, d, combine ? e->combine_inbox : e->dispatch_inbox);
       break;
     }
     if (in_exchange) break;
-    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK &&
-        (fatal_status(((volatile epxc_error_t *)&g->errors[d])->status) || globaltimer_ns() - start > g->timeout_ns))
-      break;
+    if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK) {
+      if (fatal_status(((volatile epxc_error_t *)&g->errors[d])->status)) break;
+      late = globaltimer_ns() - start > g->timeout_ns;
+      if (late) break;
+    }
   }
   to[d] = at;
-  other[d] = e->key == id && !at;
+  why[d] = late ? EPX_ERR_TIMEOUT : e->key == id && !at ? EPX_ERR_CONFIG_MISMATCH : EPX_SUCCESS;
+  if (late) record_error(g, EPX_ERR_TIMEOUT, phase, d, (int64_t)(g->timeout_ns / 1000000));
 }
 
-/* Whether any of n flags is set. */
-static __device__ __forceinline__ bool any_of(const int *v, int n) {
+/* This rank's call as the inboxes found make it: refused for a peer that made none in time
+ * (EPX_ERR_TIMEOUT), else for one whose inbox has another shape (its max_tokens_per_rank
+ * differs: EPX_ERR_CONFIG_MISMATCH), else fine. */
+static __device__ __forceinline__ int32_t inbox_status(const int32_t *why, int n) {
+  int32_t st = EPX_SUCCESS;
   for (int i = 0; i < n; i++)
-    if (v[i]) return true;
-  return false;
+    if (why[i] == EPX_ERR_TIMEOUT || (why[i] != EPX_SUCCESS && st == EPX_SUCCESS)) st = why[i];
+  return st;
 }
 
 /* Block 0 lets the other blocks go on (also when it failed: they then see why and stop). */
@@ -536,12 +544,12 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
                                      int half, uint64_t epoch, uint64_t calls LL_TRACE_PARAM) {
   extern __shared__ uint32_t bits[]; /* [E + R, W] */
   __shared__ char *to[EPX_MAX_RANKS];
-  __shared__ int other[EPX_MAX_RANKS];
+  __shared__ int32_t why[EPX_MAX_RANKS];
   epxc_ll_t *ll = b->dev;
   const ll_geom_t gm = geom_of(s);
-  find_inboxes(s, g, b->id, epoch, false, to, other);
+  find_inboxes(s, g, b->id, epoch, false, EPXC_PH_LL_DISPATCH, to, why);
   const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
-  const int32_t status = any_of(other, s->nranks) ? EPX_ERR_CONFIG_MISMATCH : planned;
+  const int32_t found = inbox_status(why, s->nranks), status = found != EPX_SUCCESS ? found : planned;
   LL_TRACE(); /* 1: planned */
   const int64_t T = status == EPX_SUCCESS ? r->num_tokens : 0; /* refused: nothing of this rank is pushed */
   if (blockIdx.x == 0) {
@@ -686,11 +694,11 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
      * that fails its arguments (and only posts) meets them too. */
     const int32_t dispatched = ll->step[pd].group_status;
     __shared__ char *to[EPX_MAX_RANKS];
-    __shared__ int other[EPX_MAX_RANKS];
-    find_inboxes(&s, &g, b.id, epoch, true, to, other);
+    __shared__ int32_t why[EPX_MAX_RANKS];
+    find_inboxes(&s, &g, b.id, epoch, true, EPXC_PH_LL_COMBINE, to, why);
     if (threadIdx.x < s.nranks) parity[threadIdx.x] = ll->step[pd].parity[threadIdx.x];
     __syncthreads();
-    const int32_t refused = any_of(other, s.nranks) ? EPX_ERR_CONFIG_MISMATCH : dispatched;
+    const int32_t found = inbox_status(why, s.nranks), refused = found != EPX_SUCCESS ? found : dispatched;
     if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
     LL_TRACE(); /* 1: partials pushed */
     if (arrive_last(st)) {
