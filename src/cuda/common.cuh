@@ -315,48 +315,6 @@ static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t 
 
 /* ---- plans -------------------------------------------------------------------------------- */
 
-/* Where a plan's bitmaps are built: the plan's own rows, or (a low-latency step's few words)
- * a copy in shared memory that is written out once built. Rows of W words: R rank rows, then
- * E expert rows. */
-typedef struct {
-  uint32_t *rank_bits; /* [R, W] */
-  uint32_t *exp_bits;  /* [E, W] */
-} epxc_bits_t;
-
-static __device__ __forceinline__ epxc_bits_t plan_bits(const epxc_plan_t *plan) {
-  return (epxc_bits_t){plan->rank_bits, plan->exp_bits};
-}
-
-/* Token t's normalised routing into the plan: ids and weights, and its bits in the rank and
- * expert bitmaps `b` (bits start cleared). Bits are atomics, so the result does not depend on
- * the order tokens are visited in; the lanes here whose tokens share a bitmap word set their
- * rank bits with one atomic per rank, not one each (a warp's 32 tokens mostly go to the same
- * ranks). The counts are the rows' popcounts: plan_prefix writes them. */
-static __device__ void plan_token(const epxc_shape_t *s, epxc_plan_t *plan, epxc_bits_t b, int64_t t,
-                                  const int32_t *ids, const float *ws) {
-  const int K = s->topk, R = s->nranks, L = s->num_local;
-  const int64_t W = plan->words;
-  const uint32_t bit = 1u << (t & 31);
-  uint64_t ranks = 0;
-  int32_t *const idx = plan->idx; /* read once: the stores below could otherwise be to *plan */
-  float *const weight = plan->weight;
-#pragma unroll
-  for (int k = 0; k < EPXC_MAX_TOPK; k++) { /* compile-time slots: ids and ws stay in registers */
-    if (k >= K) continue;
-    idx[t * K + k] = ids[k];
-    weight[t * K + k] = ws[k];
-    if (ids[k] < 0) continue;
-    ranks |= 1ull << (ids[k] / L);
-    atomicOr(&b.exp_bits[(int64_t)ids[k] * W + (t >> 5)], bit);
-  }
-  const unsigned word_mates = __match_any_sync(__activemask(), (unsigned long long)(t >> 5));
-  const bool leader = lane_id() == __ffs(word_mates) - 1;
-  for (int d = 0; d < R; d++) {
-    const uint32_t word = __reduce_or_sync(word_mates, ((ranks >> d) & 1) ? bit : 0u);
-    if (leader && word) atomicOr(&b.rank_bits[(int64_t)d * W + (t >> 5)], word);
-  }
-}
-
 /* Bitmap row `row` of a plan (R rank rows, then E expert rows, W words each) and its prefix
  * popcounts. */
 static __device__ __forceinline__ uint32_t *plan_bits_row(const epxc_plan_t *plan, int R, int64_t W, int row) {
@@ -375,49 +333,6 @@ static __device__ __forceinline__ unsigned long long bad_route_key(int64_t t, in
 /* A plan's status from the key its build left (the first bad token's, all ones: none). */
 static __device__ __forceinline__ int32_t plan_status(uint64_t bad_key) {
   return bad_key == ~0ull ? EPX_SUCCESS : (int32_t)(bad_key & 0xff);
-}
-
-/* Exclusive prefix popcounts of the bitmap rows `b` (R rank rows, then E expert rows), by warps
- * `first`, first + step, ... of the launch, and each row's total: the counts (tokens per rank,
- * then pairs per expert). Rows of a few words (a decode step's) go a lane per row, its words
- * loaded at once: a warp per row would chain one memory round trip per row. */
-static __device__ void plan_prefix(const epxc_shape_t *s, epxc_plan_t *plan, epxc_bits_t b, int64_t first,
-                                   int64_t step) {
-  const int64_t W = plan->words, used = (plan->num_tokens + 31) / 32;
-  const int R = s->nranks, rows = R + s->num_experts, lane = lane_id();
-  if (used <= EPXC_PREFIX_LANE_WORDS) {
-    for (int64_t row = first * EPXC_WARP + lane; row < rows; row += step * EPXC_WARP) {
-      const uint32_t *bits = row < R ? b.rank_bits + row * W : b.exp_bits + (row - R) * W;
-      int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
-      uint32_t word[EPXC_PREFIX_LANE_WORDS];
-#pragma unroll
-      for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) word[w] = w < used ? bits[w] : 0;
-      int32_t carry = 0;
-#pragma unroll
-      for (int w = 0; w < EPXC_PREFIX_LANE_WORDS; w++) {
-        if (w < used) pre[w] = carry;
-        carry += __popc(word[w]);
-      }
-      plan->counts[row] = carry;
-    }
-    return;
-  }
-  for (int64_t row = first; row < rows; row += step) {
-    const uint32_t *bits = row < R ? b.rank_bits + row * W : b.exp_bits + (row - R) * W;
-    int32_t *pre = row < R ? plan->rank_pre + row * W : plan->exp_pre + (row - R) * W;
-    int32_t carry = 0;
-    for (int64_t base = 0; base < used; base += EPXC_WARP) {
-      const int64_t w = base + lane;
-      int32_t c = w < used ? __popc(bits[w]) : 0, inc = c;
-      for (int o = 1; o < EPXC_WARP; o <<= 1) {
-        int32_t v = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += v;
-      }
-      if (w < used) pre[w] = carry + inc - c;
-      carry += __shfl_sync(0xffffffffu, inc, EPXC_WARP - 1);
-    }
-    if (lane == 0) plan->counts[row] = carry;
-  }
 }
 
 #endif

@@ -36,9 +36,6 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 #define EPXC_LANE_CHANNELS 8        /* channels a lane moves at once (one 16-byte bf16 vector) */
 #define EPXC_CHUNK_CHANNELS (EPXC_LANE_CHANNELS * EPXC_WARP) /* 256: channels a warp moves at once */
 #define EPXC_UNROLL 4               /* 16-byte vectors a lane loads before it stores any (copy_row_raw) */
-/* Bitmap rows of up to this many 32-bit words (a decode step's) get a lane each in the prefix
- * popcounts, their words loaded at once; longer rows get a warp. */
-#define EPXC_PREFIX_LANE_WORDS 8
 
 /* ---- bulk copies (bulk.cuh) -------------------------------------------------------------- */
 

@@ -53,7 +53,7 @@ typedef struct { /* low-latency dispatch and combine: the data came before, push
   uint64_t parity;     /* the half of every peer's inbox this rank pushed into */
 } epxc_ll_words_t;
 
-typedef struct { /* every combine (high-throughput, all-to-all, low-latency) */
+typedef struct { /* the framed combines (high-throughput, all-to-all) */
   uint64_t status;
   uint64_t rows;       /* the rows sources pull back: y, or the partials */
   uint64_t row_weight_grad; /* float *: the row weight gradients, NULL when not asked for */
@@ -180,7 +180,7 @@ typedef struct {
 
 /* What a rank reads of a peer's plan (its send side), with the pointers already translated
  * to this rank's address space: filled once per plan, right after the exchange that publishes
- * the plans (notify, or a low-latency dispatch), so no other kernel translates them again. */
+ * the plans (notify), so no other kernel translates them again. */
 typedef struct {
   int64_t num_tokens, words;
   const int32_t *idx;
@@ -228,7 +228,7 @@ typedef struct epxc_plan {
   int64_t *pair_send_base; /* all-to-all: [E + 1] first send-buffer row of this rank's pairs of e */
   int64_t *pair_base;     /* [L, R]: first row of source s's pairs of local expert l */
   int32_t *kept;          /* [L, R]: how many of them this rank keeps, the first ones (all but
-                             past a receive budget); NULL in low-latency plans: all */
+                             past a receive budget); NULL: all */
   int64_t dropped;        /* pairs this rank dropped past its receive budget */
   int64_t *block;         /* [L + 1]: first row of local expert l's block; block[L] = rows */
   int32_t *pairs_local;   /* [L] */
@@ -396,11 +396,11 @@ typedef struct {
   uint64_t id;              /* the handle's id: where peers find the inboxes (epxc_state_t.ll_inbox) */
 } epxc_ll_bufs_t;
 
-/* Where a low-latency dispatch finds its routing: the caller's, or (replay) the normalised
- * copy of the last plan. */
+/* Where a dispatch's plan finds its routing: the caller's, or (a low-latency replay) the
+ * normalised copy the last dispatch kept. */
 typedef struct {
   int64_t num_tokens;
-  int replay;            /* no routing: re-plan from the last plan's normalised copy */
+  int replay;            /* no routing: re-plan from the last dispatch's normalised copy */
   const void *topk_idx;
   epx_dtype_t idx_dtype;
   const float *topk_weights;

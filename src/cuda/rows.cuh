@@ -75,24 +75,6 @@ static __device__ int local_slots(const epxc_shape_t *s, const epxc_plan_t *plan
   return m;
 }
 
-/* Expert layout, receiving side of a dispatch: where channel c (a multiple of 256: a row cut
- * into slices) of token t of `src` goes here, one row per local expert it chose (dst, and
- * dscale for fp8), with the routing weight of each (factor, also written to recv_probs by the
- * warp of channel 0). Returns how many rows. */
-static __device__ int expert_rows(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank, const epxc_peer_t *src,
-                                  int64_t t, const epxc_dispatch_t *a, int c, void **dst, float **dscale,
-                                  float *factor) {
-  const int blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-  int64_t row[EPXC_MAX_TOPK];
-  const int m = local_slots(s, plan, src_rank, src, t, row, factor);
-  for (int j = 0; j < m; j++) {
-    dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row[j] * s->hidden + c, 1);
-    dscale[j] = a->recv_dtype == EPX_FP8_E4M3 ? a->recv_scales + row[j] * blocks + c / EPX_FP8_BLOCK : NULL;
-    if (c == 0 && lane_id() == 0 && a->recv_probs) a->recv_probs[row[j]] = factor[j];
-  }
-  return m;
-}
-
 /* Four channels to e4m3, the first in the lowest byte. */
 static __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
