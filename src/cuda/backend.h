@@ -133,8 +133,8 @@ typedef struct {
   /* low-latency: the buffers (their device counters at ll.dev), and the routing that
    * epx_notify recorded for the next dispatch (planning happens inside that dispatch) */
   epxc_ll_bufs_t ll;
-  epxc_ll_inbox_t ll_entry; /* its inboxes as the comm's state publishes them (the upload's source) */
-  bool ll_published;       /* the state holds ll_entry (at ll.id % EPXC_LL_INBOXES) */
+  epxc_ll_inbox_t ll_entry; /* its inboxes as the comm's state publishes them (the upload's source),
+                              at ll.id % EPXC_LL_INBOXES while the comm's ll_inbox_key there is ll.id */
   epx_routing_t ll_route;
   bool ll_route_pending, ll_dispatched;
   epxc_dispatch_t ll_send_dispatch; /* what a SEND half passed: its COMPLETE uses the same */

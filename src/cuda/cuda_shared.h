@@ -332,7 +332,7 @@ typedef struct {
 } epxc_ll_meta_t;
 
 typedef struct {
-  size_t counts, rbits, meta, rows, scales, region; /* dispatch: offsets in a region, its size */
+  size_t tokens, counts, rbits, meta, rows, scales, region; /* dispatch: offsets in a region, its size */
   size_t wgrad, combine_region;                     /* combine: the same (its rows at 0) */
   size_t row_bytes;                                 /* a staged row at its widest (float32) */
 } epxc_ll_layout_t;
@@ -349,6 +349,7 @@ static inline EPXC_HD epxc_ll_layout_t epxc_ll_layout(int L, int K, int64_t M, i
   epxc_ll_layout_t y;
   const size_t W = (size_t)(M + 31) / 32, B = (size_t)(H + 127) / 128;
   y.row_bytes = sizeof(float) * (size_t)H;
+  y.tokens = 0; /* an int32_t, then padding to 16 bytes */
   y.counts = 16;
   y.rbits = y.counts + sizeof(int32_t) * (size_t)L;
   y.meta = epxc_ll_round(y.rbits + sizeof(uint32_t) * W);

@@ -335,7 +335,7 @@ static __device__ void push_headers(const epxc_shape_t *s, const ll_geom_t *gm, 
     if (!to[d]) continue;
     char *region = region_of(to[d], gm->y.region, R, half, s->rank);
     if (j == 0) {
-      *(int32_t *)region = (int32_t)T;
+      *(int32_t *)(region + gm->y.tokens) = (int32_t)T;
     } else if (j <= L) {
       const uint32_t *row = bits + (int64_t)(d * L + j - 1) * W;
       int32_t n = 0;
@@ -445,7 +445,7 @@ static __device__ void place_shared(const epxc_shape_t *s, const ll_geom_t *gm, 
 
 /* Source q's token t as it came to this rank, from its region here: false when it did not. */
 static __device__ __forceinline__ bool came_here(const ll_geom_t *gm, const char *region, int64_t t) {
-  return t < *(const int32_t *)region && bit_set((const uint32_t *)(region + gm->y.rbits), t);
+  return t < *(const int32_t *)(region + gm->y.tokens) && bit_set((const uint32_t *)(region + gm->y.rbits), t);
 }
 
 /* One item of the walk both the dispatch's placing and the combine's partials make: every

@@ -46,15 +46,16 @@ static epx_status_t ll_create(const epx_handle_t *h, cuda_handle_t *ch, cudaStre
   ch->ll_entry = entry;
   CUDA_TRY(cudaMemcpyAsync(&cc->state->ll_inbox[slot], &ch->ll_entry, sizeof entry, cudaMemcpyHostToDevice, st), what);
   cc->ll_inbox_key[slot] = h->id;
-  ch->ll_published = true;
   return EPX_SUCCESS;
 }
 
-/* The inbox entry goes first: a peer that still looks for it finds nothing, not freed memory. */
+/* The inbox entry goes first: a peer that still looks for it finds nothing, not freed memory.
+ * A handle whose create stopped before it published its entry has none (the slot is free or
+ * another handle's). */
 static void ll_destroy(const epx_handle_t *h, cuda_handle_t *ch, cudaStream_t st) {
   cuda_comm_t *cc = CC(h->comm);
   const int slot = (int)(ch->ll.id % EPXC_LL_INBOXES);
-  if (ch->ll_published) {
+  if (ch->ll.id && cc->ll_inbox_key[slot] == ch->ll.id) {
     cudaMemsetAsync(&cc->state->ll_inbox[slot], 0, sizeof(epxc_ll_inbox_t), st);
     wait_stream(h->comm, st);
     cc->ll_inbox_key[slot] = 0;
