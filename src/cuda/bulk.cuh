@@ -19,7 +19,13 @@
  * from shared memory, ran at 36-38 GB/s per SM against the per-token kernels' 68-78; an fp8
  * dispatch quantising from the staged chunk, at 10.6 GB/s per SM against 22.5. With one
  * 8-warp block per SM (the stages fill shared memory) the lanes' arithmetic, not memory,
- * bound both: the ring pays where the bytes pass through untouched. */
+ * bound both: the ring pays where the bytes pass through untouched. Nor did more warps pay
+ * (2026-12-04): 16 or 32 a block, each with its own ring (three or six stages of 1 or 2 KB)
+ * and the next token's rows looked up while the current one's landed, summed at 37-55 GB/s
+ * per SM in the expert layout and 21-63 in the token layout, against 67-68 and 82-83. The
+ * profile put it in instruction issue (3.0 warp instructions a cycle, ~300 per 2 KB staged
+ * against the ~100 its sums need): the ring's bookkeeping, one lane's work but issued by the
+ * whole warp, costs more than the loads it hides. */
 #ifndef EPX_CUDA_BULK_CUH
 #define EPX_CUDA_BULK_CUH
 
