@@ -22,7 +22,7 @@
  * bound both: the ring pays where the bytes pass through untouched. Nor did more warps pay
  * (2026-12-04): 16 or 32 a block, each with its own ring (three or six stages of 1 or 2 KB)
  * and the next token's rows looked up while the current one's landed, summed at 37-55 GB/s
- * per SM in the expert layout and 21-63 in the token layout, against 67-68 and 82-83. The
+ * per SM in the expert layout and 21-63 in the token layout, against 67-69 and 82-83. The
  * profile put it in instruction issue (3.0 warp instructions a cycle, ~300 per 2 KB staged
  * against the ~100 its sums need): the ring's bookkeeping, one lane's work but issued by the
  * whole warp, costs more than the loads it hides. */
