@@ -17,19 +17,21 @@ const char *gu_case_str(const gu_case_t *c) {
   static _Thread_local char buf[256];
   static const char *const algo[] = {"ht", "ll", "a2a"}, *const form[] = {"topk32", "topk64", "map", "mixed"};
   static const char *const route[] = {"", " route=one-expert", " route=one-rank"};
-  char specials[32] = "", budget[32] = "";
+  char specials[32] = "", budget[32] = "", out[32] = "";
   if (c->specials) snprintf(specials, sizeof specials, " specials=1/%d", c->specials);
   if (c->budget) snprintf(budget, sizeof budget, " budget=%d%%", c->budget);
-  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s%s%s",
+  if (c->out_dtype != c->x_dtype) snprintf(out, sizeof out, " out=%s", tu_dtype(c->out_dtype));
+  snprintf(buf, sizeof buf, "R=%d E=%d H=%d K=%d T0=%lld algo=%s layout=%s align=%d %s->%s form=%s exact=%d%s%s%s%s",
            c->R, c->E, c->H, c->K, (long long)c->T[0], algo[c->algo],
            c->layout == EPX_LAYOUT_EXPERT ? "expert" : "token", c->align, tu_dtype(c->x_dtype),
-           tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route], specials, budget);
+           tu_dtype(c->recv_dtype), form[c->form], c->exact, route[c->route], specials, budget, out);
   return buf;
 }
 
 gu_case_t gu_case_of(const gu_row_t *k, int num_sms) {
   gu_case_t c = {.R = k->R, .E = k->E, .H = k->H, .K = k->K, .align = k->align, .exact = k->exact, .form = k->form,
-                 .algo = k->algo, .layout = k->layout, .x_dtype = k->x, .recv_dtype = k->recv, .num_sms = num_sms};
+                 .algo = k->algo, .layout = k->layout, .x_dtype = k->x, .recv_dtype = k->recv, .out_dtype = k->x,
+                 .num_sms = num_sms};
   c.max_tokens = k->algo == EPX_ALGO_LL ? (k->T > 64 ? (int)k->T : 64) : 0;
   for (int r = 0; r < c.R; r++) c.T[r] = k->uneven && (r & 1) ? (r == 1 ? 0 : k->T / 3) : k->T;
   return c;
@@ -232,7 +234,7 @@ static epx_status_t rank_main(int r, void *arg) {
   cb.y = res->y[r];
   cb.y_dtype = c->x_dtype;
   cb.out = res->out[r];
-  cb.out_dtype = c->x_dtype;
+  cb.out_dtype = c->out_dtype;
   cb.weighted = er;
   STEP(epx_combine(comm, h, &cb));
 
@@ -291,8 +293,8 @@ static void rank_alloc(run_t *run, const mem_t *mem, int r, const gu_result_t *h
   res->dropped[r] = mem_alloc(mem, sizeof(int32_t));
   res->y[r] = host ? mem_upload(mem, host->y[r], (size_t)(cap * H) * esz(c->x_dtype))
                    : mem_alloc(mem, (size_t)(cap * H) * esz(c->x_dtype));
-  res->out[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->x_dtype));
-  res->out2[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->x_dtype));
+  res->out[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->out_dtype));
+  res->out2[r] = mem_alloc(mem, (size_t)(T * H) * esz(c->out_dtype));
   res->wgrad[r] = mem_alloc(mem, sizeof(float) * T * K);
   run->nrows[r] = mem->cuda ? mem_alloc(mem, sizeof(int64_t)) : &res->nrows[r];
 }
@@ -313,8 +315,8 @@ static void rank_collect(run_t *run, const mem_t *mem, int r) {
   mem_download(mem, (void **)&res->cnt[r], sizeof(int32_t) * (c->E / c->R));
   mem_download(mem, (void **)&res->dropped[r], sizeof(int32_t));
   mem_download(mem, &res->y[r], (size_t)(cap * H) * esz(c->x_dtype));
-  mem_download(mem, &res->out[r], (size_t)(T * H) * esz(c->x_dtype));
-  mem_download(mem, &res->out2[r], (size_t)(T * H) * esz(c->x_dtype));
+  mem_download(mem, &res->out[r], (size_t)(T * H) * esz(c->out_dtype));
+  mem_download(mem, &res->out2[r], (size_t)(T * H) * esz(c->out_dtype));
   mem_download(mem, (void **)&res->wgrad[r], sizeof(float) * T * K);
   if (mem->cuda) {
     cudaMemcpy(&res->nrows[r], run->nrows[r], sizeof(int64_t), cudaMemcpyDeviceToHost);
@@ -407,8 +409,8 @@ void gu_compare_rank_at(const char *file, int line, const gu_case_t *c, const gu
   else
     check_fail(file, line, "same num_recv_rows", "%s rank %d num_recv_rows %lld, host %lld", label, r,
                (long long)got->nrows[r], (long long)want->nrows[r]);
-  CMP("out", c->x_dtype, got->out[r], want->out[r], T * H, H);
-  CMP("out2 (dispatch gradient)", c->x_dtype, got->out2[r], want->out2[r], T * H, H);
+  CMP("out", c->out_dtype, got->out[r], want->out[r], T * H, H);
+  CMP("out2 (dispatch gradient)", c->out_dtype, got->out2[r], want->out2[r], T * H, H);
   CMP("topk weight gradient", EPX_FLOAT32, got->wgrad[r], want->wgrad[r], T * K, K);
 #undef CMP
 }

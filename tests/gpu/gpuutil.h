@@ -30,6 +30,7 @@ typedef struct {
   epx_algo_t algo;
   epx_layout_t layout;
   epx_dtype_t x_dtype, recv_dtype;
+  epx_dtype_t out_dtype; /* the combines' outputs (gu_case_of: x's type) */
   int64_t T[TU_MAX_RANKS];
   int num_sms;
   gu_route_t route;

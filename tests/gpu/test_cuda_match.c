@@ -48,11 +48,12 @@ static const gu_row_t cases[] = {
 };
 
 /* A case of the tables after the first: its row and what it sets beyond it (left 0: random
- * routing, no special values, no budget, 16 SMs). */
+ * routing, no special values, no budget, 16 SMs, the combines' output in x's type). */
 typedef struct {
   gu_row_t row;
   gu_route_t route;
   int specials, budget, num_sms;
+  int out_other; /* the combines' output in the other float type (bf16 <-> float32) */
 } extra_t;
 
 /* Skews and sizes for the pipelines, after the table so its cases keep their indices (and
@@ -125,6 +126,20 @@ static const extra_t staged[] = {
     {{4, 64, 2, 1024, 333, HT, EXP, 16, BF, FP8, TU_FORM_TOPK64, 1, 1}, .route = GU_ROUTE_RANDOM},
 };
 
+/* The combine's rows and types, after the staged fp8 cases: rows of 16 KB and a remainder
+ * (float32 5120, bf16 9216), of exactly 16 KB (bf16 8192) and of 48 KB (float32 12288, the
+ * all-to-all's sums), outputs in the other type (float32 rows summed into bf16 and back), a rank
+ * with no tokens, one token a rank with every token on one expert, and 2 SMs, so that each
+ * block of the combine's kernels takes many tokens. */
+static const extra_t sums[] = {
+    {{4, 32, 4, 5120, 300, HT, EXP, 16, F32, F32, TU_FORM_TOPK32, 1, 0}, .out_other = 1},
+    {{2, 16, 8, 9216, 200, HT, TOK, 1, BF, BF, TU_FORM_TOPK64, 0, 1}, .out_other = 1},
+    {{8, 64, 8, 8192, 1, HT, EXP, 128, BF, BF, TU_FORM_MAP, 0, 0}, .route = GU_ROUTE_ONE_EXPERT},
+    {{4, 64, 8, 12288, 100, A2A, EXP, 16, F32, F32, TU_FORM_TOPK32, 1, 1}, .out_other = 1},
+    {{8, 256, 8, 7168, 1024, HT, EXP, 128, BF, BF, TU_FORM_TOPK32, 0, 0}, .route = GU_ROUTE_ONE_RANK, .num_sms = 2},
+    {{8, 256, 8, 7168, 1024, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .num_sms = 2},
+};
+
 #define COUNT(t) ((int)(sizeof t / sizeof *t))
 #define NTABLE COUNT(cases)
 /* The tables after the first, in the order of their indices. */
@@ -135,8 +150,10 @@ static const struct {
               {special, COUNT(special)},
               {budgeted, COUNT(budgeted)},
               {decode, COUNT(decode)},
-              {staged, COUNT(staged)}};
-#define NCASES (NTABLE + COUNT(skewed) + COUNT(special) + COUNT(budgeted) + COUNT(decode) + COUNT(staged))
+              {staged, COUNT(staged)},
+              {sums, COUNT(sums)}};
+#define NCASES \
+  (NTABLE + COUNT(skewed) + COUNT(special) + COUNT(budgeted) + COUNT(decode) + COUNT(staged) + COUNT(sums))
 
 /* Case i, 0 <= i < NCASES. */
 static gu_case_t case_of(int i) {
@@ -147,6 +164,7 @@ static gu_case_t case_of(int i) {
   const extra_t *x = &extras[t].at[i];
   gu_case_t c = gu_case_of(&x->row, x->num_sms ? x->num_sms : 16);
   c.route = x->route, c.specials = x->specials, c.budget = x->budget;
+  if (x->out_other) c.out_dtype = c.x_dtype == EPX_FLOAT32 ? EPX_BFLOAT16 : EPX_FLOAT32;
   return c;
 }
 
