@@ -7,8 +7,9 @@
 #   epx-bench's token and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL
 #   all-to-all baseline of the nvlink shapes; sanitize runs compute-sanitizer memcheck over
 #   test_cuda_graph ht and ll and a subset of test_cuda_match (EPX_SANITIZE_CASES, indices as
-#   test_cuda_match takes them); compare runs the bench shapes on another build,
-#   EPX_GPU_BUILD_BASE, and this one, alternating, and prints new / base per phase; megatron
+#   test_cuda_match takes them); compare runs the bench shapes (2 SMs a rank where the SMs
+#   bind, then 16) on another build, EPX_GPU_BUILD_BASE, and this one, alternating, and prints
+#   new / base and GB/s per SM per phase; megatron
 #   runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
 #   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
 #   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
@@ -155,7 +156,8 @@ fi
 if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
   first=${CUDA_VISIBLE_DEVICES:-0}
   base=$EPX_GPU_BUILD_BASE
-  shapes=("--tokens 4096 --iters 10" "--tokens 4096 --iters 10 --layout expert --align 128"
+  shapes=("--tokens 4096 --iters 10 --num-sms 2" "--tokens 4096 --iters 10 --num-sms 2 --layout expert --align 128"
+          "--tokens 4096 --iters 10" "--tokens 4096 --iters 10 --layout expert --align 128"
           "--tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128"
           "--tokens 4096 --iters 10 --layout expert --align 128 --mode a2a" "--tokens 32768 --iters 5"
           "--tokens 128 --iters 50 --mode ll --graph" "--tokens 128 --iters 50 --mode ll --dtype fp8 --graph")
@@ -171,15 +173,16 @@ def run(name):
     for line in open(f"{logs}/{name}.log"):
         if line.startswith("{"):
             return json.loads(line)
-print(f"{'shape':44} {'phase':9} {'base ms':>9} {'new ms':>9} {'new/base':>8}")
+print(f"{'shape':44} {'phase':9} {'base ms':>9} {'new ms':>9} {'new/base':>8} {'GB/s/SM base':>12} {'new':>6}")
 for i in range(n):
     b, c = run(f"compare-base-{i}"), run(f"compare-new-{i}")
     if not b or not c:
         print(f"shape {i}: no result"); continue
-    shape = f"{c['mode']} {c['layout']} {c['recv_dtype']} T={c['tokens']}"
+    shape = f"{c['mode']} {c['layout']} {c['recv_dtype']} T={c['tokens']} sms={c.get('sms_in_use', '?')}"
     for ph in ("notify", "dispatch", "combine"):
         if b.get(ph + "_ms") and c.get(ph + "_ms"):
-            print(f"{shape:44} {ph:9} {b[ph + '_ms']:9.4f} {c[ph + '_ms']:9.4f} {c[ph + '_ms'] / b[ph + '_ms']:8.3f}")
+            per_sm = f"{b.get(ph + '_gbps_per_sm', 0):12.1f} {c.get(ph + '_gbps_per_sm', 0):6.1f}"
+            print(f"{shape:44} {ph:9} {b[ph + '_ms']:9.4f} {c[ph + '_ms']:9.4f} {c[ph + '_ms'] / b[ph + '_ms']:8.3f} {per_sm}")
 PY
 fi
 # Nsight Compute over the high-throughput kernels and notify, one report each in $out/profile
