@@ -39,7 +39,14 @@ static void case_main(mp_ctx_t *ctx) {
 
 /* ---- a rank resumed after its peer timed out ------------------------------------------------ */
 
-enum { LATE_CALLS = 12, LATE_T = 8192, LATE_H = 1024 };
+/* Rank 1 is stopped in call LATE_STOP_CALL, a fraction of the previous call's time after it
+ * began. The calls before it are warm: the first touches its buffers and can take twice as long
+ * as the next, so a stop timed by it can land after the call. The fractions sit in the call's
+ * second half, past the "forward" phase (here stops from 55% of the call on reach x-read, on an
+ * idle machine and on one with three times as many busy processes as cores); each attempt takes
+ * another, so jitter that moves one stop out of the window moves not all of them. */
+enum { LATE_CALLS = 12, LATE_STOP_CALL = 2, LATE_ATTEMPTS = 6, LATE_T = 8192, LATE_H = 1024 };
+static const double late_fraction[LATE_ATTEMPTS] = {0.75, 0.65, 0.85, 0.7, 0.8, 0.9};
 #if defined(__SANITIZE_THREAD__)
 #define UNDER_TSAN 1
 #else
@@ -50,6 +57,8 @@ typedef struct {
   epx_status_t st[2][LATE_CALLS];
   char msg[2][LATE_CALLS][256];
   int ncalls[2];
+  double fraction;     /* of the previous call's time, when rank 1 is stopped */
+  double call_s[2][LATE_CALLS];
 } late_log_t;
 
 /* A child that stops its parent `delay_s` from now and resumes it `stop_s` later. */
@@ -87,15 +96,14 @@ static void late_main(mp_ctx_t *ctx) {
     epx_dispatch_args_t a;
     epx_dispatch_args_init(&a);
     a.x = x, a.x_dtype = EPX_FLOAT32, a.recv_dtype = EPX_FLOAT32, a.recv_x = recv, a.recv_capacity = 2 * LATE_T;
-    double first = 0;
     for (int i = 0; i < LATE_CALLS; i++) {
       const double t0 = tu_now();
-      /* rank 1 is stopped in the middle of its second call, where it copies rows */
-      if (me == 1 && i == 1) stop_me_later(0.5 * first, 1.2);
+      /* rank 1 is stopped in the middle of a warm call, where it copies rows */
+      if (me == 1 && i == LATE_STOP_CALL) stop_me_later(log->fraction * log->call_s[me][i - 1], 1.2);
       log->st[me][i] = epx_dispatch(comm, h, &rt, &a);
       snprintf(log->msg[me][i], sizeof log->msg[me][i], "%s", epx_last_error());
+      log->call_s[me][i] = tu_now() - t0;
       log->ncalls[me] = i + 1;
-      if (i == 0) first = tu_now() - t0;
     }
   }
   if (me == 1) while (waitpid(-1, NULL, 0) > 0) {}
@@ -110,19 +118,22 @@ static int late_rank_case(int attempt) {
   late_log_t *log = mmap(NULL, sizeof *log, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (log == MAP_FAILED) return 0;
   memset(log, 0, sizeof *log);
+  log->fraction = late_fraction[attempt];
   mp_launch_t l = {.nprocs = 2, .boot = attempt % 2 ? MP_BOOT_CALLBACK : MP_BOOT_ID, .limit_s = 60};
   mp_launch(&l, late_main, log);
   int timed_out = -1, at_end = 0;
   for (int i = 0; i < log->ncalls[0] && timed_out < 0; i++)
     if (log->st[0][i] == EPX_ERR_TIMEOUT) timed_out = i;
-  CHECK(timed_out >= 1, "[late rank, attempt %d] rank 0 never timed out while rank 1 was stopped", attempt);
+  CHECK(timed_out >= LATE_STOP_CALL, "[late rank, attempt %d] rank 0 never timed out while rank 1 was stopped", attempt);
   for (int i = timed_out < 0 ? LATE_CALLS : timed_out; i < log->ncalls[1]; i++)
     CHECK(log->st[1][i] != EPX_SUCCESS,
           "[late rank, attempt %d] rank 1 returned EPX_SUCCESS for call %d; rank 0 gave up on call %d (%s)", attempt, i,
           timed_out, log->msg[0][timed_out]);
   if (timed_out >= 0) {
     at_end = strstr(log->msg[0][timed_out], "x-read") != NULL;
-    printf("   attempt %d: rank 0 timed out in call %d (%s); rank 1: %s (%s)\n", attempt, timed_out,
+    printf("   attempt %d: rank 1 stopped %.0f%% into call %d (the previous took %.1f ms); rank 0 timed out in "
+           "call %d (%s); rank 1: %s (%s)\n",
+           attempt, 100 * log->fraction, LATE_STOP_CALL, 1e3 * log->call_s[1][LATE_STOP_CALL - 1], timed_out,
            log->msg[0][timed_out], epx_status_string(log->st[1][timed_out]), log->msg[1][timed_out]);
   }
   munmap(log, sizeof *log);
@@ -148,7 +159,7 @@ int main(void) {
     printf("   skipped under ThreadSanitizer\n");
   } else {
     int hits = 0;
-    for (int attempt = 0; attempt < 4 && hits == 0; attempt++) hits += late_rank_case(attempt);
+    for (int attempt = 0; attempt < LATE_ATTEMPTS && hits == 0; attempt++) hits += late_rank_case(attempt);
     CHECK(hits > 0, "rank 1 was never stopped where rank 0 gives up at the end of a call: the case did not run");
   }
   return tu_end();
