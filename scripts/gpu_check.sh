@@ -2,19 +2,20 @@
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
 #   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [sanitize] [compare]
-#   [megatron] [profile] [trace] [all]   (default all, which leaves out sanitize, compare,
-#   megatron, profile and trace; nvlink, scaling and nccl need 2+ GPUs; scaling sweeps the SM budget; sweep runs
-#   epx-bench's token and SM sweeps and plots them (tools/plot_bench.py); nccl is the NCCL
-#   all-to-all baseline of the nvlink shapes; sanitize runs compute-sanitizer memcheck over
-#   test_cuda_graph ht and ll and a subset of test_cuda_match (EPX_SANITIZE_CASES, indices as
-#   test_cuda_match takes them); compare runs the bench shapes (2 SMs a rank where the SMs
-#   bind, then 16) on another build, EPX_GPU_BUILD_BASE, and this one, alternating, and prints
-#   new / base and GB/s per SM per phase; megatron
-#   runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
+#   [megatron] [profile] [trace] [reads] [all]   (default all, which leaves out sanitize,
+#   compare, megatron, profile, trace and reads; nvlink, scaling and nccl need 2+ GPUs;
+#   scaling sweeps the SM budget; sweep runs epx-bench's token and SM sweeps and plots them
+#   (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of the nvlink shapes; sanitize
+#   runs compute-sanitizer memcheck over test_cuda_graph ht and ll and a subset of
+#   test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them); compare runs
+#   the bench shapes (2 SMs a rank where the SMs bind, then 16) on another build,
+#   EPX_GPU_BUILD_BASE, and this one, alternating, and prints new / base and GB/s per SM per
+#   phase; megatron runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
 #   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
 #   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
 #   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
-#   shapes and sums up their phase times with tools/trace_phases.py)
+#   shapes and sums up their phase times with tools/trace_phases.py; reads runs epx-sm-reads, how
+#   fast one SM reads by bulk copies, loads and per-lane copies, on 16 blocks and on every SM)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -229,6 +230,15 @@ if asked trace; then
       "$build/epx-bench" --backend cuda $flags
     python3 tools/trace_phases.py --skip 1 "$logs/trace-$name.log" | tee "$out/trace-$name.txt"
   done
+fi
+# How fast one SM reads memory, each way a kernel can read it (tools/sm_reads.cu): on 16 blocks,
+# where the SMs bind, and on every SM, where HBM does.
+if asked reads; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
+  sms=$(nvidia-smi -i "${first%%,*}" --query-gpu=multiprocessor_count --format=csv,noheader 2>/dev/null || echo 132)
+  run reads-16 env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" 16
+  run "reads-$sms" env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" "$sms"
+  cat "$logs"/reads-*.log >"$out/sm-reads.txt"
 fi
 # Megatron-core's own MoELayer with the flex dispatcher (deepep and hybridep) on epx's CUDA
 # backend against Megatron's alltoall, bf16, 8 layers in flight, every rank's process on the

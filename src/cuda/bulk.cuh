@@ -25,7 +25,13 @@
  * per SM in the expert layout and 21-63 in the token layout, against 67-69 and 82-83. The
  * profile put it in instruction issue (3.0 warp instructions a cycle, ~300 per 2 KB staged
  * against the ~100 its sums need): the ring's bookkeeping, one lane's work but issued by the
- * whole warp, costs more than the loads it hides. */
+ * whole warp, costs more than the loads it hides. Nor did roles pay (2026-12-06, 1 x H100):
+ * a planner warp, a loader lane filling 13 stages of 14 KB and 16 reduce warps summed at 47
+ * and 58 GB/s per SM against 65 and 80, and 4 loader warps did no better. epx-sm-reads showed
+ * why: one SM's bulk loads complete about one per 300 ns whatever their size up to 32 KB and
+ * whoever issues them (45 GB/s for 14 KB, 103 for 32 KB), where 16-byte loads through
+ * registers, 8 in flight a thread, read 118. A bulk load pays only where it moves 32 KB or
+ * more, or where its bytes also leave by bulk stores (the dispatch). */
 #ifndef EPX_CUDA_BULK_CUH
 #define EPX_CUDA_BULK_CUH
 

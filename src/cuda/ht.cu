@@ -386,7 +386,7 @@ static bool ht_converts(const epxc_shape_t *s, const epxc_dispatch_t *a) {
 /* The rule. Dispatch: on devices with the bulk-copy engine (sm_90), rows that arrive as they
  * were sent move by bulk copies (every row is a multiple of 16 bytes: src/core refuses others);
  * rows converted on the way go a warp per token. Combine: a warp per token, its element types
- * fixed at compile time (staged, pipelined combines were measured slower: bulk.cuh). */
+ * fixed at compile time (staged and pipelined combines were measured slower: bulk.cuh). */
 static bool ht_bulk_dispatch(const epxc_shape_t *s, const epxc_dispatch_t *a) {
   return s->bulk_copies && !ht_converts(s, a);
 }

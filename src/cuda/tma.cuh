@@ -1,7 +1,7 @@
 /* Asynchronous copies: the bulk-copy instructions of sm_90 (PTX ISA 8.0: mbarriers and
  * cp.async.bulk, the TMA engine's copies without a tensor map) and the per-thread 16-byte
- * cp.async of sm_80. Only what bulk.cuh, ring.cuh and the benchmark's reference copy use;
- * no dependency on the rest of the kernels. */
+ * cp.async of sm_80. Only what bulk.cuh, ring.cuh, the benchmark's reference copy and
+ * epx-sm-reads (tools/sm_reads.cu) use; no dependency on the rest of the kernels. */
 #ifndef EPX_CUDA_TMA_CUH
 #define EPX_CUDA_TMA_CUH
 
@@ -19,6 +19,16 @@ static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uin
 
 static __device__ __forceinline__ void mbar_init(uint64_t *bar) {
   EPXC_TMA("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+
+/* A barrier whose phase ends after `count` arrivals (and the bytes any expect_tx announced). */
+static __device__ __forceinline__ void mbar_init_count(uint64_t *bar, uint32_t count) {
+  EPXC_TMA("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+/* One arrival (release: this thread's shared-memory writes before it are seen by a waiter). */
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  EPXC_TMA("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
 /* Makes barrier initialisation, and this warp's reads of a stage, visible to the copy engine
