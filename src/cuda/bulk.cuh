@@ -31,7 +31,8 @@
  * why: one SM's bulk loads complete about one per 300 ns whatever their size up to 32 KB and
  * whoever issues them (45 GB/s for 14 KB, 103 for 32 KB), where 16-byte loads through
  * registers, 8 in flight a thread, read 118. A bulk load pays only where it moves 32 KB or
- * more, or where its bytes also leave by bulk stores (the dispatch). */
+ * more, or where reads are a small part of the bytes (the dispatch: a row read once, written
+ * to several ranks). */
 #ifndef EPX_CUDA_BULK_CUH
 #define EPX_CUDA_BULK_CUH
 
