@@ -15,7 +15,8 @@
 #   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
 #   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
 #   shapes and sums up their phase times with tools/trace_phases.py; reads runs epx-sm-reads, how
-#   fast one SM reads by bulk copies, loads and per-lane copies, on 16 blocks and on every SM)
+#   fast one SM reads by bulk copies, loads and per-lane copies and writes by bulk and plain
+#   stores, on 16 blocks and on every SM)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.

@@ -1,18 +1,21 @@
-/* epx-sm-reads: how fast one SM reads memory, by each way a kernel can read it. A combine reads
- * most of what it moves (a DeepSeek-V3 token sums about five rows into one), so its speed per SM
- * is bounded by these read rates, not by the copy kernels' read + write figure that epx-bench
- * prints beside every phase.
+/* epx-sm-reads: how fast one SM reads memory, by each way a kernel can read it, and how fast it
+ * writes (the pushes of a kernel that writes into peers). A combine reads most of what it moves
+ * (a DeepSeek-V3 token sums about five rows into one), so its speed per SM is bounded by these
+ * read rates, not by the copy kernels' read + write figure that epx-bench prints beside every
+ * phase.
  *
  *   epx-sm-reads [blocks]      (default 16: one block per SM, as 8 ranks x 2 SMs)
  *
- * Each line reads the same 1 GiB (far past L2) on `blocks` blocks and prints bytes read per
- * SM-second, the best of three runs after a warm-up:
+ * Each line reads (or writes) the same 1 GiB, far past L2, on `blocks` blocks and prints bytes
+ * per SM-second, the best of three runs after a warm-up:
  *  - bulk S N: one thread of the block issues bulk copies (cp.async.bulk, the copy engine) of S
  *    bytes into a ring of N shared-memory stages; 16 reader warps read each landed stage and
  *    release it, as a pipelined combine's reduce warps would. "issuers W": W warps issue, warp i
  *    the stages s with s mod W = i.
  *  - lsu T x U: T threads, each with U 16-byte loads in flight through registers.
  *  - lanes-async: per-warp rings of 16-byte cp.async (sm_80's per-lane asynchronous copies).
+ *  - write bulk S / write lsu T x 4: writes, by bulk stores of S bytes from one shared-memory
+ *    stage (one issuing thread, two groups in flight) or by 16-byte stores.
  * Needs sm_90 for the bulk lines (skipped elsewhere). */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -132,15 +135,43 @@ static __global__ void __launch_bounds__(1024) lanes_async_kernel(const uint8_t 
   keep(acc, sink);
 }
 
-typedef enum { BULK, LSU4, LSU8, LSU16, LANES_ASYNC } way_t;
+/* One thread streams bulk stores of S bytes from shared memory over the block's chunks. */
+static __global__ void bulk_store_kernel(uint8_t *dst, size_t chunks, int S) {
+  extern __shared__ __align__(128) uint8_t stage[];
+  if (threadIdx.x != 0) return;
+  for (size_t k = blockIdx.x; k < chunks; k += gridDim.x) {
+    bulk_store(dst + k * (size_t)S, stage, (uint32_t)S);
+    bulk_commit();
+    bulk_wait_read_but_one();
+  }
+  bulk_wait_all();
+}
+
+/* Each thread four 16-byte stores a round, the grid striding over n vectors. */
+static __global__ void lsu_store_kernel(uint4 *dst, size_t n) {
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+  const uint4 v = make_uint4(threadIdx.x, blockIdx.x, 1, 2);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 4 * step)
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      if (i + u * step < n) __stcs(dst + i + u * step, v);
+}
+
+typedef enum { BULK, LSU4, LSU8, LSU16, LANES_ASYNC, WRITE_BULK, WRITE_LSU } way_t;
 
 typedef struct {
   way_t way;
   int threads, S, N, issuers;
 } probe_t;
 
-static void launch(const probe_t *p, const uint8_t *src, size_t bytes, int blocks, float *sink) {
+static void launch(const probe_t *p, const uint8_t *src, uint8_t *dst, size_t bytes, int blocks, float *sink) {
   switch (p->way) {
+  case WRITE_BULK:
+    check(cudaFuncSetAttribute((const void *)bulk_store_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p->S),
+          "store attribute");
+    bulk_store_kernel<<<blocks, 32, p->S>>>(dst, bytes / p->S, p->S);
+    break;
+  case WRITE_LSU: lsu_store_kernel<<<blocks, p->threads>>>((uint4 *)dst, bytes / 16); break;
   case BULK: {
     const size_t smem = (size_t)p->S * p->N + 16 * p->N;
     check(cudaFuncSetAttribute((const void *)bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
@@ -166,6 +197,10 @@ static void launch(const probe_t *p, const uint8_t *src, size_t bytes, int block
 static void name_of(const probe_t *p, char *out, size_t n) {
   if (p->way == BULK)
     snprintf(out, n, "bulk S %5d N %2d issuers %d", p->S, p->N, p->issuers);
+  else if (p->way == WRITE_BULK)
+    snprintf(out, n, "write bulk S %5d", p->S);
+  else if (p->way == WRITE_LSU)
+    snprintf(out, n, "write lsu %4d x 4", p->threads);
   else if (p->way == LANES_ASYNC)
     snprintf(out, n, "lanes-async 3 x 2 KB a warp");
   else
@@ -178,9 +213,10 @@ int main(int argc, char **argv) {
   int dev = 0, major = 0;
   check(cudaGetDevice(&dev), "device");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "capability");
-  uint8_t *src;
+  uint8_t *src, *dst;
   float *sink;
   check(cudaMalloc(&src, bytes), "malloc");
+  check(cudaMalloc(&dst, bytes), "malloc");
   check(cudaMemset(src, 1, bytes), "memset");
   check(cudaMalloc(&sink, sizeof *sink), "malloc");
   cudaEvent_t e0, e1;
@@ -190,15 +226,15 @@ int main(int argc, char **argv) {
       {BULK, 0, 4096, 48, 1},  {BULK, 0, 8192, 24, 1},  {BULK, 0, 14336, 13, 1}, {BULK, 0, 14336, 13, 2},
       {BULK, 0, 14336, 13, 4}, {BULK, 0, 14336, 13, 8}, {BULK, 0, 24576, 8, 1},  {BULK, 0, 32768, 6, 1},
       {LSU4, 1024},            {LSU8, 1024},            {LSU16, 1024},           {LSU8, 512},
-      {LANES_ASYNC, 1024}};
-  printf("%d blocks, %zu MiB read by each line\n", blocks, bytes >> 20);
+      {LANES_ASYNC, 1024},     {WRITE_BULK, 0, 14336}, {WRITE_BULK, 0, 32768},  {WRITE_LSU, 1024}};
+  printf("%d blocks, %zu MiB read or written by each line\n", blocks, bytes >> 20);
   for (size_t i = 0; i < sizeof probes / sizeof *probes; i++) {
     const probe_t *p = &probes[i];
-    if (p->way == BULK && (major < 9 || (size_t)p->S * p->N > RING_BYTES)) continue;
+    if ((p->way == BULK || p->way == WRITE_BULK) && (major < 9 || (size_t)p->S * p->N > RING_BYTES)) continue;
     float best = 1e30f;
     for (int run = 0; run < 4; run++) {
       check(cudaEventRecord(e0), "record");
-      launch(p, src, bytes, blocks, sink);
+      launch(p, src, dst, bytes, blocks, sink);
       check(cudaEventRecord(e1), "record");
       check(cudaEventSynchronize(e1), "sync");
       float ms;
@@ -207,7 +243,8 @@ int main(int argc, char **argv) {
     }
     char name[64];
     name_of(p, name, sizeof name);
-    printf("%-32s %8.3f ms %7.1f GB/s read per SM\n", name, best, (double)bytes / (best * 1e-3) / 1e9 / blocks);
+    printf("%-32s %8.3f ms %7.1f GB/s %s per SM\n", name, best, (double)bytes / (best * 1e-3) / 1e9 / blocks,
+           p->way == WRITE_BULK || p->way == WRITE_LSU ? "written" : "read");
   }
   return 0;
 }
