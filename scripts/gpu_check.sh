@@ -236,9 +236,8 @@ fi
 # where the SMs bind, and on every SM, where HBM does.
 if asked reads; then
   first=${CUDA_VISIBLE_DEVICES:-0}
-  sms=$(nvidia-smi -i "${first%%,*}" --query-gpu=multiprocessor_count --format=csv,noheader 2>/dev/null || echo 132)
   run reads-16 env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" 16
-  run "reads-$sms" env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" "$sms"
+  run reads-every-sm env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" 0
   cat "$logs"/reads-*.log >"$out/sm-reads.txt"
 fi
 # Megatron-core's own MoELayer with the flex dispatcher (deepep and hybridep) on epx's CUDA

@@ -4,7 +4,7 @@
  * read rates, not by the copy kernels' read + write figure that epx-bench prints beside every
  * phase.
  *
- *   epx-sm-reads [blocks]      (default 16: one block per SM, as 8 ranks x 2 SMs)
+ *   epx-sm-reads [blocks]      (default 16: one block per SM, as 8 ranks x 2 SMs; 0: every SM)
  *
  * Each line reads (or writes) the same 1 GiB, far past L2, on `blocks` blocks and prints bytes
  * per SM-second, the best of three runs after a warm-up:
@@ -208,11 +208,12 @@ static void name_of(const probe_t *p, char *out, size_t n) {
 }
 
 int main(int argc, char **argv) {
-  const int blocks = argc > 1 ? atoi(argv[1]) : 16;
   const size_t bytes = (size_t)1 << 30;
-  int dev = 0, major = 0;
+  int dev = 0, major = 0, sms = 0;
   check(cudaGetDevice(&dev), "device");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "capability");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  const int asked = argc > 1 ? atoi(argv[1]) : 16, blocks = asked > 0 ? asked : sms;
   uint8_t *src, *dst;
   float *sink;
   check(cudaMalloc(&src, bytes), "malloc");
