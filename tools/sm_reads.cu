@@ -76,7 +76,7 @@ static __global__ void bulk_kernel(const uint8_t *src, size_t chunks, int S, int
   extern __shared__ __align__(128) uint8_t ring[];
   uint64_t *full = (uint64_t *)(ring + (size_t)N * S), *empty = full + N;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < N; i++) mbar_init_count(&full[i], 1), mbar_init_count(&empty[i], READERS);
+    for (int i = 0; i < N; i++) mbar_init(&full[i]), mbar_init_count(&empty[i], READERS);
     fence_async_smem();
   }
   __syncthreads();
@@ -104,6 +104,14 @@ static __global__ void lsu_kernel(const uint4 *src, size_t n, float *sink) {
   keep(acc, sink);
 }
 
+/* This lane's V 16-byte vectors of unit `u` (of units) into its warp's stage, if there is one. */
+template <int V>
+static __device__ __forceinline__ void lanes_copy_unit(uint8_t *stage, const uint8_t *src, size_t u, size_t units) {
+  const int lane = (int)(threadIdx.x % 32);
+  if (u < units)
+    for (int v = 0; v < V; v++) lane_copy16(stage + (v * 32 + lane) * 16, src + u * (32 * 16 * V) + (v * 32 + lane) * 16);
+}
+
 /* Per-warp rings of ST stages of V 16-byte vectors a lane, filled by cp.async. */
 template <int ST, int V>
 static __global__ void __launch_bounds__(1024) lanes_async_kernel(const uint8_t *src, size_t bytes, float *sink) {
@@ -114,16 +122,14 @@ static __global__ void __launch_bounds__(1024) lanes_async_kernel(const uint8_t 
   uint8_t *ring = ring_all + (size_t)warp * ST * unit;
   size_t issue = first;
   for (int s = 0; s < ST - 1; s++, issue += stride) {
-    if (issue < units)
-      for (int v = 0; v < V; v++) lane_copy16(ring + s * unit + (v * 32 + lane) * 16, src + issue * unit + (v * 32 + lane) * 16);
+    lanes_copy_unit<V>(ring + s * unit, src, issue, units);
     lane_commit();
   }
   float acc = 0.0f;
   int k = 0;
   for (size_t u = first; u < units; u += stride, k++, issue += stride) {
     const int s = (k + ST - 1) % ST;
-    if (issue < units)
-      for (int v = 0; v < V; v++) lane_copy16(ring + s * unit + (v * 32 + lane) * 16, src + issue * unit + (v * 32 + lane) * 16);
+    lanes_copy_unit<V>(ring + s * unit, src, issue, units);
     lane_commit();
     lane_wait<ST - 1>();
     const uint8_t *stage = ring + (k % ST) * unit;
