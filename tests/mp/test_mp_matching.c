@@ -44,8 +44,8 @@ static void case_main(mp_ctx_t *ctx) {
  * as the next, so a stop timed by it can land after the call. The fractions sit in the call's
  * second half, past the "forward" phase (on an idle machine here stops from 55% of the call on
  * reached x-read, 35-50% did not; with three times as many busy processes as cores, 75% still
- * did, at calls three times as long); each attempt takes
- * another, so jitter that moves one stop out of the window moves not all of them. */
+ * did, at calls three times as long); each attempt takes another, so jitter that moves one stop
+ * out of the window moves not all of them. */
 enum { LATE_CALLS = 12, LATE_STOP_CALL = 2, LATE_ATTEMPTS = 6, LATE_T = 8192, LATE_H = 1024 };
 static const double late_fraction[LATE_ATTEMPTS] = {0.75, 0.65, 0.85, 0.7, 0.8, 0.9};
 #if defined(__SANITIZE_THREAD__)
