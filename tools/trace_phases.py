@@ -8,7 +8,9 @@ seen.
     python3 tools/trace_phases.py ll.txt [--skip N]
 
 A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 7 - start>", marks not taken
-printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
+printed as 0. Low-latency lines come from each rank's block 0 and carry the rank in the block
+field: the phases are summed over rank 0's, and each rank's start and end are given since the
+step's first start (the n-th line of every rank is one step). Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
 ..."); notify's blocks ("notifytrace") build, scan and finish, and the last block of a launch
 also meets the peers and derives the receive side. Notify's blocks of one launch are
 the lines whose starts lie within --window us of the launch's first; its phases are also given
@@ -25,6 +27,7 @@ import sys
 from dataclasses import dataclass
 
 NOTIFY_KIND = "notifytrace"
+LL_KIND = "lltrace"  # lines carry the rank in the block field
 NOTIFY_PHASES = ["built", "scanned", "done", "met the peers", "receive side"]
 NOTIFY_BLOCK_PHASES = 3  # marks every block takes; the rest only the closing block
 LINE = re.compile(r"^(?P<kind>[a-z]+trace[^:]*?) (?P<block>\d+): (?P<start>\d+)(?P<marks>( \d+)*)\s*$")
@@ -104,10 +107,31 @@ def summarise(marks: list[Mark], skip: int = 0, window_us: float = 500.0) -> lis
             rows += summarise_notify(ms, skip, window_us)
             continue
         what, phases = names_of(kind)
-        ms = ms[skip:]
-        rows.append(f"{what}: {len(ms)} launches (us since the launch's start, min / median / max)")
+        ranks = sorted({m.block for m in ms}) if kind.split()[0] == LL_KIND else [None]
+        first_rank = [m for m in ms if ranks[0] is None or m.block == ranks[0]][skip:]
+        rows.append(f"{what}: {len(first_rank)} launches (us since the launch's start, min / median / max)")
         for i, name in enumerate(phases):
-            rows.append(f"  {name:14} {spread([m.marks[i] / 1000 for m in ms if i < len(m.marks)])}")
+            rows.append(f"  {name:14} {spread([m.marks[i] / 1000 for m in first_rank if i < len(m.marks)])}")
+        if len(ranks) > 1:
+            rows += summarise_ranks(ms, ranks, skip)
+    return rows
+
+
+def summarise_ranks(ms: list[Mark], ranks: list[int], skip: int) -> list[str]:
+    """Low-latency lines of several ranks (the rank in the block field): the n-th line of each
+    rank is one step; each rank's start and end since the step's first start, so the wait on a
+    late peer shows apart from the kernel's own phases."""
+    per_rank = {r: [m for m in ms if m.block == r][skip:] for r in ranks}
+    steps = min(len(v) for v in per_rank.values())
+    rows = [f"  {steps} steps of {len(ranks)} ranks (us since the step's first start, min / median / max):"]
+    for r in ranks:
+        started, ended = [], []
+        for n in range(steps):
+            first = min(per_rank[q][n].start for q in ranks)
+            m = per_rank[r][n]
+            started.append((m.start - first) / 1000)
+            ended.append((m.start - first + (m.marks[-1] if m.marks else 0)) / 1000)
+        rows.append(f"    rank {r}: started {spread(started)}, ended {spread(ended)}")
     return rows
 
 

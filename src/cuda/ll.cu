@@ -23,14 +23,15 @@
 static_assert(EPXC_MAX_TOPK <= EPXC_LL_SLOTS, "a token's record holds every slot");
 static_assert(EPX_MAX_RANKS <= EPXC_WARP * 2, "a block's first two warps read every rank's post");
 
-/* Build with -DEPX_LL_TRACE to have rank 0's block 0 print when each phase of every launch
- * ended (trace.cuh: the launch's start, then ns since it): where a decode step's latency goes. */
+/* Build with -DEPX_LL_TRACE to have every rank's block 0 print when each phase of every launch
+ * ended (trace.cuh: the launch's start, then ns since it; the rank where a line names the
+ * block): where a decode step's latency goes, and how late each rank started. */
 #ifdef EPX_LL_TRACE
 #include "cuda/trace.cuh"
 #define LL_TRACE_DECL epxc_trace_t trace_store_ = {{0}, 0}, *trace_ = &trace_store_
 #define LL_TRACE() trace_mark(trace_, threadIdx.x == 0 && blockIdx.x == 0)
 #define LL_TRACE_PRINT(what) \
-  trace_print(trace_, threadIdx.x == 0 && blockIdx.x == 0 && s.rank == 0, "lltrace " what, 0)
+  trace_print(trace_, threadIdx.x == 0 && blockIdx.x == 0, "lltrace " what, s.rank)
 #define LL_TRACE_PARAM , epxc_trace_t *trace_ /* a function that marks phases of its own */
 #define LL_TRACE_ARG , trace_
 #else
@@ -130,26 +131,33 @@ static __device__ bool arrive_last(epxc_state_t *st) {
  * error stops the exchange too), or when d makes none within the timeout: then this rank
  * records the timeout, for a rank that pushed nothing to a peer that came late must not let
  * that peer read its inbox as if it had. Threads d < R of the block; why[d] (after the block's
- * next barrier) is what d's inbox makes of this rank's call (inbox_status). */
+ * next barrier) is what d's inbox makes of this rank's call (inbox_status).
+ *
+ * One round trip when the entry is there: its words and d's post flag are loaded together.
+ * The owner writes the entry in one copy whose words land in no set order, over a slot that
+ * was all zero, and no word of a live entry is zero: an entry with the key and a zero word is
+ * still being written, and is read again. Only "no such inbox" needs the order: d wrote its
+ * key before it posted, so the key is read once more after the post is seen (acquire). */
 static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g, uint64_t id, uint64_t epoch,
                                     bool combine, int phase, char **to, int32_t *why) {
   const int d = threadIdx.x;
   if (d >= s->nranks) return;
   const volatile epxc_ll_inbox_t *e = &g->state[d]->ll_inbox[id % EPXC_LL_INBOXES];
-  const uint64_t *posted = &g->state[g->rank]->post[epoch & 1][d].flag;
+  const volatile uint64_t *posted = &g->state[g->rank]->post[epoch & 1][d].flag;
   uint64_t want[2];
   epxc_ll_shape_key(s->nranks, s->num_local, s->topk, s->max_tokens, s->hidden, want);
   char *at = NULL;
-  bool late = false;
+  bool late = false, keyed = false;
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0;; spin++) {
-    const bool in_exchange = ld_acquire(posted) >= epoch; /* before the key: d wrote its key before it posted */
-    if (e->key == id) {
-      if (e->shape[0] == want[0] && e->shape[1] == want[1])
-        at = (char *)peer_ptr(g, d, combine ? e->combine_inbox : e->dispatch_inbox);
+    const uint64_t flag = *posted, key = e->key, s0 = e->shape[0], s1 = e->shape[1];
+    const uint64_t where = combine ? e->combine_inbox : e->dispatch_inbox;
+    if (key == id && s0 && s1 && where) { /* whole */
+      keyed = true;
+      if (s0 == want[0] && s1 == want[1]) at = (char *)peer_ptr(g, d, where);
       break;
     }
-    if (in_exchange) break;
+    if (key != id && flag >= epoch && ld_acquire((const uint64_t *)posted) >= epoch && e->key != id) break;
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK) {
       if (fatal_status(((volatile epxc_error_t *)&g->errors[d])->status)) break;
       late = globaltimer_ns() - start > g->timeout_ns;
@@ -157,7 +165,7 @@ static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g
     }
   }
   to[d] = at;
-  why[d] = late ? EPX_ERR_TIMEOUT : e->key == id && !at ? EPX_ERR_CONFIG_MISMATCH : EPX_SUCCESS;
+  why[d] = late ? EPX_ERR_TIMEOUT : keyed && !at ? EPX_ERR_CONFIG_MISMATCH : EPX_SUCCESS;
   if (late) record_error(g, EPX_ERR_TIMEOUT, phase, d, (int64_t)(g->timeout_ns / 1000000));
 }
 
@@ -548,9 +556,10 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   epxc_ll_t *ll = b->dev;
   const ll_geom_t gm = geom_of(s);
   find_inboxes(s, g, b->id, epoch, false, EPXC_PH_LL_DISPATCH, to, why);
+  LL_TRACE(); /* 1: thread 0's inbox found */
   const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
   const int32_t found = inbox_status(why, s->nranks), status = found != EPX_SUCCESS ? found : planned;
-  LL_TRACE(); /* 1: planned */
+  LL_TRACE(); /* 2: planned */
   const int64_t T = status == EPX_SUCCESS ? r->num_tokens : 0; /* refused: nothing of this rank is pushed */
   if (blockIdx.x == 0) {
     push_headers(s, &gm, b, half, T, bits, to);
@@ -561,7 +570,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
     const slice_t x = slice_at(sl, s->hidden, i);
     push_token(s, &gm, b, r, a, half, x.row, x.c, x.w, bits, to);
   }
-  LL_TRACE(); /* 2: block 0's rows pushed */
+  LL_TRACE(); /* 3: block 0's rows pushed */
   if (arrive_last(g->state[g->rank])) {
     const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp);
     if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
@@ -587,12 +596,12 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   const uint64_t epoch = complete ? sent_epoch : seq0 + 1;
   if (!complete) {
     dispatch_send(&s, &g, &b, &route, &a, stamp, half, epoch, calls LL_TRACE_ARG);
-    LL_TRACE(); /* 3: every block arrived (and the last one posted) */
+    LL_TRACE(); /* 4: every block arrived (and the last one posted) */
     if (a.part == EPX_PART_SEND) return;
   }
   __shared__ int parity[EPX_MAX_RANKS];
   const bool go = meet(&g, EPXC_PH_LL_DISPATCH, epoch, parity);
-  LL_TRACE(); /* 4: met */
+  LL_TRACE(); /* 5: met */
   if (blockIdx.x == 0 && threadIdx.x < s.nranks) ll->step[half].parity[threadIdx.x] = parity[threadIdx.x];
   if (blockIdx.x == 0 && threadIdx.x == 0)
     ll->step[half].group_status = go ? EPX_SUCCESS : st->aborted ? EPX_ERR_BROKEN : st->group_status;
@@ -601,10 +610,10 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   __shared__ int32_t base[EPX_MAX_EXPERTS]; /* [L, R] */
   place_shared(&s, &gm, &b, half, &a, parity, base);
   __syncthreads();
-  LL_TRACE(); /* 5: placed */
+  LL_TRACE(); /* 6: placed */
   place_rows(&s, &gm, &b, &a, parity, base);
-  LL_TRACE(); /* 6: block 0's rows copied */
-  LL_TRACE_PRINT("dispatch plan push arrive meet place copy");
+  LL_TRACE(); /* 7: block 0's rows copied */
+  LL_TRACE_PRINT("dispatch found plan push arrive meet place copy");
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,

@@ -87,3 +87,30 @@ def test_exchange_steps_beside_a_kernel():
     assert rows[at + 5].split()[0] == "decided"
     assert rows[at + 5].endswith(f"{min(decided):.1f} / {statistics.median(decided):.1f} / {max(decided):.1f}")
     assert f"combine: {len(ll_runs)} launches (us since the launch's start, min / median / max)" in rows
+
+
+def test_low_latency_ranks_line_up():
+    """Every rank's block 0 prints (the rank in the block field): the phases are rank 0's, and
+    each rank's start and end are given since the step's first start."""
+    mod = _tool()
+    g = rng(3)
+    kind = "lltrace combine found push meet sum"
+    ranks, steps, skip = int(g.integers(2, 9)), int(g.integers(2, 12)), 1
+    runs = {r: _ll_launches(g, steps, kind.split()[2:]) for r in range(ranks)}
+    late = {r: [int(x) for x in g.integers(0, 20000, steps)] for r in range(ranks)}
+    lines = []
+    for n in range(steps):
+        for r in g.permutation(ranks):  # ranks print in any order
+            lines.append(_line(kind, int(r), 10**9 + 10**6 * n + late[int(r)][n], runs[int(r)][n]))
+    rows = mod.summarise(mod.parse(lines), skip=skip)
+    assert rows[0] == f"combine: {steps - skip} launches (us since the launch's start, min / median / max)"
+    sums = [r[-1] / 1000 for r in runs[0][skip:]]
+    assert rows[4].endswith(f"{min(sums):.1f} / {statistics.median(sums):.1f} / {max(sums):.1f}")
+    assert rows[5].startswith(f"  {steps - skip} steps of {ranks} ranks")
+    for r in range(ranks):
+        first = [min(late[q][n] for q in range(ranks)) for n in range(skip, steps)]
+        started = [(late[r][n] - f) / 1000 for n, f in zip(range(skip, steps), first)]
+        ended = [(late[r][n] - f + runs[r][n][-1]) / 1000 for n, f in zip(range(skip, steps), first)]
+        want = (f"    rank {r}: started {min(started):.1f} / {statistics.median(started):.1f} / {max(started):.1f}, "
+                f"ended {min(ended):.1f} / {statistics.median(ended):.1f} / {max(ended):.1f}")
+        assert rows[6 + r] == want
