@@ -28,24 +28,17 @@
 static_assert(sizeof(epxc_slot_t) == sizeof(uint64_t) * (1 + EPXC_SLOT_WORDS), "a mailbox is a flag and its words");
 static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "every kind of words fits a slot");
 
-/* Posts this rank's words and the stamp of the call it opens (all zero: none) to every peer.
- * Call from every thread of one block. Returns the exchange's epoch, or 0 when this rank
- * stopped earlier. The stamp comes by value: a kernel parameter whose address is taken is
- * copied to local memory first. */
-static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                         const epxc_stamp_t stamp) {
+/* Posts this rank's words and the stamp of the call it opens (all zero: none) to every peer
+ * as exchange `epoch` (0: this rank stopped earlier, nothing is posted). Call from every
+ * thread of one block; the caller knows the epoch (exchange_post reads it, a low-latency
+ * kernel read it at its start: nothing else on its stream moves it meanwhile). The stamp
+ * comes by value: a kernel parameter whose address is taken is copied to local memory first. */
+static __device__ uint64_t exchange_post_at(const epxc_group_t *g, int phase, const epxc_words_t *words,
+                                            const epxc_stamp_t stamp, uint64_t epoch) {
   EX_TRACE_DECL;
   EX_TRACE();
-  epxc_state_t *me = g->state[g->rank];
-  __shared__ uint64_t ex_epoch;
-  if (threadIdx.x == 0) {
-    ex_epoch = me->aborted ? 0 : me->seq + 1;
-    if (ex_epoch) me->seq = ex_epoch;
-  }
-  __syncthreads();
-  EX_TRACE(); /* 1: epoch */
-  const uint64_t epoch = ex_epoch;
   const int r = threadIdx.x;
+  if (epoch && r == 0) g->state[g->rank]->seq = epoch;
   if (epoch && r < g->nranks) {
     /* the stamp and the phase tag: ranks that disagree on where they are fail loudly */
     epxc_slot_t *slot = &g->state[r]->post[epoch & 1][g->rank];
@@ -55,9 +48,19 @@ static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const
     st_release(&slot->flag, epoch);
   }
   __syncthreads();
-  EX_TRACE(); /* 2: posted */
-  EX_TRACE_PRINT("exchange_post epoch posted");
+  EX_TRACE(); /* 1: posted */
+  EX_TRACE_PRINT("exchange_post posted");
   return epoch;
+}
+
+/* The same, the epoch read here: this rank's next, or 0 when it stopped earlier. */
+static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
+                                         const epxc_stamp_t stamp) {
+  epxc_state_t *me = g->state[g->rank];
+  __shared__ uint64_t ex_epoch;
+  if (threadIdx.x == 0) ex_epoch = me->aborted ? 0 : me->seq + 1;
+  __syncthreads();
+  return exchange_post_at(g, phase, words, stamp, ex_epoch);
 }
 
 /* Records a difference between rank 0's post and rank q's (see epxc_error_t.about): the phase

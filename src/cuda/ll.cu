@@ -262,13 +262,14 @@ static __device__ bool meet(const epxc_group_t *g, int phase, uint64_t epoch, in
   return go;
 }
 
-/* The last block to arrive posts this rank's words (status, the half it pushed into). */
+/* The last block to arrive posts this rank's words (status, the half it pushed into) as
+ * exchange `epoch`, which the kernel read at its start. */
 static __device__ uint64_t post_ll(const epxc_group_t *g, int phase, int32_t status, int half,
-                                   const epxc_stamp_t stamp) {
+                                   const epxc_stamp_t stamp, uint64_t epoch) {
   epxc_words_t w = {};
   w.ll.status = (uint64_t)(uint32_t)status;
   w.ll.parity = (uint64_t)half;
-  return exchange_post(g, phase, &w, stamp);
+  return exchange_post_at(g, phase, &w, stamp, epoch);
 }
 
 /* ---- dispatch: planning (every block) ------------------------------------------------------- */
@@ -451,11 +452,6 @@ static __device__ void place_shared(const epxc_shape_t *s, const ll_geom_t *gm, 
   }
 }
 
-/* Source q's token t as it came to this rank, from its region here: false when it did not. */
-static __device__ __forceinline__ bool came_here(const ll_geom_t *gm, const char *region, int64_t t) {
-  return t < *(const int32_t *)(region + gm->y.tokens) && bit_set((const uint32_t *)(region + gm->y.rbits), t);
-}
-
 /* One item of the walk both the dispatch's placing and the combine's partials make: every
  * (source q, token t) that may have come here, in slices. */
 typedef struct {
@@ -474,7 +470,9 @@ static __device__ __forceinline__ slicing_t arrivals(const epxc_shape_t *s) {
 }
 
 /* Item i: false when its token did not come here. The record is read with lane j taking
- * slot j, its row the base of (local expert, q) plus the token's place. */
+ * slot j, its row the base of (local expert, q) plus the token's place. Whether the token came
+ * and its record are loaded together, one round trip: the record lies inside q's region
+ * whether or not it was written this step, and is used only when it was. */
 static __device__ __forceinline__ bool arrival_at(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b,
                                                   const int *parity, const int32_t *base, slicing_t sl, int64_t i,
                                                   arrival_t *x) {
@@ -483,16 +481,19 @@ static __device__ __forceinline__ bool arrival_at(const epxc_shape_t *s, const l
   x->q = (int)(sc.row / s->max_tokens);
   x->t = sc.row - (int64_t)x->q * s->max_tokens;
   x->region = region_of(b->dispatch_inbox, gm->y.region, s->nranks, parity[x->q], x->q);
-  if (!came_here(gm, x->region, x->t)) return false;
   const epxc_ll_meta_t *meta = (const epxc_ll_meta_t *)(x->region + gm->y.meta) + x->t;
-  const int lane = lane_id();
-  x->m = meta->n;
+  const int lane = lane_id(), j = lane < EPXC_LL_SLOTS ? lane : 0;
+  const int32_t tokens = *(const int32_t *)(x->region + gm->y.tokens);
+  const uint32_t word = ((const uint32_t *)(x->region + gm->y.rbits))[x->t >> 5];
+  const int32_t m = meta->n, slot = meta->slot[j], ord = meta->ord[j];
+  const float weight = meta->weight[j];
+  if (x->t >= tokens || !((word >> (x->t & 31)) & 1u)) return false;
+  x->m = m;
   x->k = 0, x->row = 0, x->weight = 0.0f;
-  if (lane < x->m) {
-    const int32_t slot = meta->slot[lane];
+  if (lane < m) {
     x->k = slot >> 16;
-    x->row = (int64_t)base[(int64_t)(slot & 0xffff) * s->nranks + x->q] + meta->ord[lane];
-    x->weight = meta->weight[lane];
+    x->row = (int64_t)base[(int64_t)(slot & 0xffff) * s->nranks + x->q] + ord;
+    x->weight = weight;
   }
   return true;
 }
@@ -572,7 +573,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   }
   LL_TRACE(); /* 3: block 0's rows pushed */
   if (arrive_last(g->state[g->rank])) {
-    const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp);
+    const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp, epoch);
     if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
   }
 }
@@ -711,7 +712,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
     LL_TRACE(); /* 1: partials pushed */
     if (arrive_last(st)) {
-      const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp);
+      const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp, epoch);
       if (threadIdx.x == 0) ll->combines = calls + 1, ll->combine_epoch = posted, ll->combine_half = pd;
     }
     if (a.part == EPX_PART_SEND) return; /* arrive_last synchronised the block: parity[] may be rewritten */
