@@ -16,7 +16,8 @@
 #   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
 #   shapes and sums up their phase times with tools/trace_phases.py; reads runs epx-sm-reads, how
 #   fast one SM reads by bulk copies, loads and per-lane copies and writes by bulk and plain
-#   stores, on 16 blocks and on every SM)
+#   stores, on 16 blocks and on every SM, and epx-latency, what a decode step's loads, fences,
+#   atomics, barriers and flags cost)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
 # Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
@@ -239,6 +240,8 @@ if asked reads; then
   run reads-16 env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" 16
   run reads-every-sm env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" 0
   cat "$logs"/reads-*.log >"$out/sm-reads.txt"
+  run latency env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-latency"
+  cp "$logs/latency.log" "$out/latency.txt"
 fi
 # Megatron-core's own MoELayer with the flex dispatcher (deepep and hybridep) on epx's CUDA
 # backend against Megatron's alltoall, bf16, 8 layers in flight, every rank's process on the
