@@ -113,14 +113,15 @@ def summarise(marks: list[Mark], skip: int = 0, window_us: float = 500.0) -> lis
         for i, name in enumerate(phases):
             rows.append(f"  {name:14} {spread([m.marks[i] / 1000 for m in first_rank if i < len(m.marks)])}")
         if len(ranks) > 1:
-            rows += summarise_ranks(ms, ranks, skip)
+            rows += summarise_ranks(ms, ranks, phases, skip)
     return rows
 
 
-def summarise_ranks(ms: list[Mark], ranks: list[int], skip: int) -> list[str]:
+def summarise_ranks(ms: list[Mark], ranks: list[int], phases: list[str], skip: int) -> list[str]:
     """Low-latency lines of several ranks (the rank in the block field): the n-th line of each
     rank is one step; each rank's start and end since the step's first start, so the wait on a
-    late peer shows apart from the kernel's own phases."""
+    late peer shows apart from the kernel's own phases, and the phases of the rank that started
+    last (its peers' posts are there when it looks: what the step itself costs)."""
     per_rank = {r: [m for m in ms if m.block == r][skip:] for r in ranks}
     steps = min(len(v) for v in per_rank.values())
     rows = [f"  {steps} steps of {len(ranks)} ranks (us since the step's first start, min / median / max):"]
@@ -132,6 +133,11 @@ def summarise_ranks(ms: list[Mark], ranks: list[int], skip: int) -> list[str]:
             started.append((m.start - first) / 1000)
             ended.append((m.start - first + (m.marks[-1] if m.marks else 0)) / 1000)
         rows.append(f"    rank {r}: started {spread(started)}, ended {spread(ended)}")
+    # the last rank to start finds its peers' posts there: its phases are the step's own cost
+    last = [max((per_rank[q][n] for q in ranks), key=lambda m: m.start) for n in range(steps)]
+    rows.append("  the rank that started last, since its start:")
+    for i, name in enumerate(phases):
+        rows.append(f"    {name:14} {spread([m.marks[i] / 1000 for m in last if i < len(m.marks)])}")
     return rows
 
 

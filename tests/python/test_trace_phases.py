@@ -114,3 +114,8 @@ def test_low_latency_ranks_line_up():
         want = (f"    rank {r}: started {min(started):.1f} / {statistics.median(started):.1f} / {max(started):.1f}, "
                 f"ended {min(ended):.1f} / {statistics.median(ended):.1f} / {max(ended):.1f}")
         assert rows[6 + r] == want
+    assert rows[6 + ranks] == "  the rank that started last, since its start:"
+    last = [max(range(ranks), key=lambda q: late[q][n]) for n in range(skip, steps)]
+    for i, name in enumerate(kind.split()[2:]):
+        us = [runs[q][n][i] / 1000 for q, n in zip(last, range(skip, steps))]
+        assert rows[7 + ranks + i] == f"    {name:14} {min(us):.1f} / {statistics.median(us):.1f} / {max(us):.1f}"
