@@ -7,7 +7,7 @@ seen.
     build-trace/... epx-bench --backend cuda --mode ll --graph ... > ll.txt
     python3 tools/trace_phases.py ll.txt [--skip N]
 
-A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 7 - start>", marks not taken
+A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 11 - start>", marks not taken
 printed as 0. Low-latency lines come from each rank's block 0 and carry the rank in the block
 field: the phases are summed over rank 0's, and each rank's start and end are given since the
 step's first start (the n-th line of every rank is one step). Low-latency lines name their phases in the kind ("lltrace dispatch plan stage

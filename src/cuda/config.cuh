@@ -80,6 +80,6 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 
 /* ---- tracing (-DEPX_LL_TRACE, -DEPX_NOTIFY_TRACE: trace.cuh) --------------------------------- */
 
-#define EPXC_TRACE_POINTS 8         /* phase times a traced launch keeps */
+#define EPXC_TRACE_POINTS 12        /* phase times a traced launch keeps */
 
 #endif

@@ -237,13 +237,15 @@ static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int pha
  * blocks), the others from the posts when posts_fine, else from block 0's record. Its own
  * rank's post was made by the last block to arrive: block 0 sees it before its wait fences
  * (see exchange_wait). Returns whether the operation goes on. */
-static __device__ bool meet(const epxc_group_t *g, int phase, uint64_t epoch, int *parity) {
+static __device__ bool meet(const epxc_group_t *g, int phase, uint64_t epoch, int *parity LL_TRACE_PARAM) {
   epxc_state_t *st = g->state[g->rank];
   __shared__ int go;
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) wait_local(g, &st->post[epoch & 1][g->rank].flag, epoch, phase);
     __syncthreads();
+    LL_TRACE(); /* this rank's post seen */
     const bool met = exchange_wait(g, phase, epoch);
+    LL_TRACE(); /* the exchange decided */
     if (threadIdx.x == 0) go = met && st->group_status == EPX_SUCCESS;
     if (threadIdx.x < g->nranks) parity[threadIdx.x] = (int)st->got[threadIdx.x].ll.parity;
     release_all(st, epoch);
@@ -566,12 +568,13 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
     push_headers(s, &gm, b, half, T, bits, to);
     if (threadIdx.x == 0) ll->step[half].num_tokens = T, ll->step[half].status = status;
   }
+  LL_TRACE(); /* 3: block 0's headers pushed */
   const slicing_t sl = slicing(T, s->hidden);
   for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
     const slice_t x = slice_at(sl, s->hidden, i);
     push_token(s, &gm, b, r, a, half, x.row, x.c, x.w, bits, to);
   }
-  LL_TRACE(); /* 3: block 0's rows pushed */
+  LL_TRACE(); /* 4: block 0's rows pushed */
   if (arrive_last(g->state[g->rank])) {
     const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp, epoch);
     if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
@@ -597,12 +600,12 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   const uint64_t epoch = complete ? sent_epoch : seq0 + 1;
   if (!complete) {
     dispatch_send(&s, &g, &b, &route, &a, stamp, half, epoch, calls LL_TRACE_ARG);
-    LL_TRACE(); /* 4: every block arrived (and the last one posted) */
+    LL_TRACE(); /* 5: block 0 arrived */
     if (a.part == EPX_PART_SEND) return;
   }
   __shared__ int parity[EPX_MAX_RANKS];
-  const bool go = meet(&g, EPXC_PH_LL_DISPATCH, epoch, parity);
-  LL_TRACE(); /* 5: met */
+  const bool go = meet(&g, EPXC_PH_LL_DISPATCH, epoch, parity LL_TRACE_ARG);
+  LL_TRACE(); /* 8: met (6, 7: meet's own) */
   if (blockIdx.x == 0 && threadIdx.x < s.nranks) ll->step[half].parity[threadIdx.x] = parity[threadIdx.x];
   if (blockIdx.x == 0 && threadIdx.x == 0)
     ll->step[half].group_status = go ? EPX_SUCCESS : st->aborted ? EPX_ERR_BROKEN : st->group_status;
@@ -611,10 +614,10 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   __shared__ int32_t base[EPX_MAX_EXPERTS]; /* [L, R] */
   place_shared(&s, &gm, &b, half, &a, parity, base);
   __syncthreads();
-  LL_TRACE(); /* 6: placed */
+  LL_TRACE(); /* 9: placed */
   place_rows(&s, &gm, &b, &a, parity, base);
-  LL_TRACE(); /* 7: block 0's rows copied */
-  LL_TRACE_PRINT("dispatch found plan push arrive meet place copy");
+  LL_TRACE(); /* 10: block 0's rows copied */
+  LL_TRACE_PRINT("dispatch found plan headers push arrive posted decided met place copy");
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
@@ -706,23 +709,25 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     __shared__ char *to[EPX_MAX_RANKS];
     __shared__ int32_t why[EPX_MAX_RANKS];
     find_inboxes(&s, &g, b.id, epoch, true, EPXC_PH_LL_COMBINE, to, why);
+    LL_TRACE(); /* 1: thread 0's inbox found */
     if (threadIdx.x < s.nranks) parity[threadIdx.x] = ll->step[pd].parity[threadIdx.x];
     __syncthreads();
     const int32_t found = inbox_status(why, s.nranks), refused = found != EPX_SUCCESS ? found : dispatched;
     if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
-    LL_TRACE(); /* 1: partials pushed */
+    LL_TRACE(); /* 2: block 0's partials pushed */
     if (arrive_last(st)) {
       const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp, epoch);
       if (threadIdx.x == 0) ll->combines = calls + 1, ll->combine_epoch = posted, ll->combine_half = pd;
     }
+    LL_TRACE(); /* 3: block 0 arrived */
     if (a.part == EPX_PART_SEND) return; /* arrive_last synchronised the block: parity[] may be rewritten */
   }
-  const bool go = meet(&g, EPXC_PH_LL_COMBINE, epoch, parity);
-  LL_TRACE(); /* 2: met */
+  const bool go = meet(&g, EPXC_PH_LL_COMBINE, epoch, parity LL_TRACE_ARG);
+  LL_TRACE(); /* 6: met (4, 5: meet's own) */
   if (!go) return;
   sum_tokens(&s, &gm, &b, pd, &a, parity);
-  LL_TRACE(); /* 3: block 0's sums */
-  LL_TRACE_PRINT("combine push meet sum");
+  LL_TRACE(); /* 7: block 0's sums */
+  LL_TRACE_PRINT("combine found push arrive posted decided met sum");
 }
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,

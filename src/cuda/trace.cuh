@@ -24,12 +24,12 @@ static __device__ __forceinline__ void trace_mark(epxc_trace_t *t, bool on) {
 /* One line (one printf, so blocks' lines do not interleave): "<what> <block>: <start> <mark 1 -
  * start> ...", in ns, marks not taken printed as 0. */
 static __device__ void trace_print(const epxc_trace_t *t, bool on, const char *what, int block) {
-  static_assert(EPXC_TRACE_POINTS == 8, "the format below prints 8 marks");
+  static_assert(EPXC_TRACE_POINTS == 12, "the format below prints 12 marks");
   if (!on || t->n == 0) return;
   unsigned long long d[EPXC_TRACE_POINTS] = {0};
   for (int i = 1; i < t->n; i++) d[i] = t->at[i] - t->at[0];
-  printf("%s %d: %llu %llu %llu %llu %llu %llu %llu %llu\n", what, block, (unsigned long long)t->at[0], d[1], d[2],
-         d[3], d[4], d[5], d[6], d[7]);
+  printf("%s %d: %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", what, block,
+         (unsigned long long)t->at[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11]);
 }
 
 #endif

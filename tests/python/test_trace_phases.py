@@ -13,8 +13,8 @@ def _tool():
 
 
 def _line(kind, block, start, marks):
-    """trace_print's line: 7 marks after the start, those not taken 0."""
-    return f"{kind} {block}: {start} " + " ".join(str(m) for m in marks + [0] * (7 - len(marks)))
+    """trace_print's line: 11 marks after the start, those not taken 0."""
+    return f"{kind} {block}: {start} " + " ".join(str(m) for m in marks + [0] * (11 - len(marks)))
 
 
 def _ll_launches(g, n, phases):
