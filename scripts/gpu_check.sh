@@ -234,7 +234,8 @@ if asked trace; then
   done
 fi
 # How fast one SM reads memory, each way a kernel can read it (tools/sm_reads.cu): on 16 blocks,
-# where the SMs bind, and on every SM, where HBM does.
+# where the SMs bind, and on every SM, where HBM does; then what each step of a decode kernel
+# costs one thread (tools/latency.cu).
 if asked reads; then
   first=${CUDA_VISIBLE_DEVICES:-0}
   run reads-16 env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 120 "$build/epx-sm-reads" 16

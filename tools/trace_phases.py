@@ -8,13 +8,14 @@ seen.
     python3 tools/trace_phases.py ll.txt [--skip N]
 
 A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 11 - start>", marks not taken
-printed as 0. Low-latency lines come from each rank's block 0 and carry the rank in the block
-field: the phases are summed over rank 0's, and each rank's start and end are given since the
-step's first start (the n-th line of every rank is one step). Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
-..."); notify's blocks ("notifytrace") build, scan and finish, and the last block of a launch
-also meets the peers and derives the receive side. Notify's blocks of one launch are
-the lines whose starts lie within --window us of the launch's first; its phases are also given
-since that first start, the whole launch as one rank saw it. --skip drops each kind's first N
+printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
+..."), come from each rank's block 0 and carry the rank in the block field: the phases are
+summed over rank 0's, and each rank's start and end are given since the step's first start
+(the n-th line of every rank is one step). Notify's blocks ("notifytrace") build, scan and
+finish, and the last block of a launch also meets the peers and derives the receive side.
+Notify's blocks of one launch are the lines whose starts lie within --window us of the
+launch's first; its phases are also given since that first start, the whole launch as one
+rank saw it. --skip drops each kind's first N
 launches (warm-up).
 """
 
@@ -97,6 +98,12 @@ def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str
     return rows
 
 
+def phase_rows(ms: list[Mark], phases: list[str], indent: str) -> list[str]:
+    """One row a phase: when it ended, us since each launch's start, over the launches ms."""
+    return [f"{indent}{name:14} {spread([m.marks[i] / 1000 for m in ms if i < len(m.marks)])}"
+            for i, name in enumerate(phases)]
+
+
 def summarise(marks: list[Mark], skip: int = 0, window_us: float = 500.0) -> list[str]:
     rows: list[str] = []
     kinds: dict[str, list[Mark]] = {}
@@ -110,8 +117,7 @@ def summarise(marks: list[Mark], skip: int = 0, window_us: float = 500.0) -> lis
         ranks = sorted({m.block for m in ms}) if kind.split()[0] == LL_KIND else [None]
         first_rank = [m for m in ms if ranks[0] is None or m.block == ranks[0]][skip:]
         rows.append(f"{what}: {len(first_rank)} launches (us since the launch's start, min / median / max)")
-        for i, name in enumerate(phases):
-            rows.append(f"  {name:14} {spread([m.marks[i] / 1000 for m in first_rank if i < len(m.marks)])}")
+        rows += phase_rows(first_rank, phases, "  ")
         if len(ranks) > 1:
             rows += summarise_ranks(ms, ranks, phases, skip)
     return rows
@@ -135,10 +141,7 @@ def summarise_ranks(ms: list[Mark], ranks: list[int], phases: list[str], skip: i
         rows.append(f"    rank {r}: started {spread(started)}, ended {spread(ended)}")
     # the last rank to start finds its peers' posts there: its phases are the step's own cost
     last = [max((per_rank[q][n] for q in ranks), key=lambda m: m.start) for n in range(steps)]
-    rows.append("  the rank that started last, since its start:")
-    for i, name in enumerate(phases):
-        rows.append(f"    {name:14} {spread([m.marks[i] / 1000 for m in last if i < len(m.marks)])}")
-    return rows
+    return rows + ["  the rank that started last, since its start:"] + phase_rows(last, phases, "    ")
 
 
 def main(argv=None) -> int:
