@@ -239,7 +239,6 @@ int main(void) {
   MEASURE("st.release.sys after 1 store", (release_cost<<<1, 1>>>(small, ns)));
   MEASURE("atomicAdd chain", (atomic_chain<<<1, 1>>>((unsigned long long *)sink, ns)));
   MEASURE("__syncthreads, 512 threads", (barrier_cost<<<1, 512>>>(ns)));
-  check(cudaMemset(sink, 0, 4096), "memset");
   MEASURE("flag one way, release/acquire.sys", (cudaMemset(sink, 0, 4096), ping_pong<<<2, 32>>>(sink, 1, ns)));
   MEASURE("flag one way, volatile", (cudaMemset(sink, 0, 4096), ping_pong<<<2, 32>>>(sink, 0, ns)));
   check(cudaDeviceSynchronize(), "sync");
