@@ -110,16 +110,23 @@ static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint
   }
 }
 
-/* Every block announces it has pushed its part; true in the last one to arrive. Each block's
- * fence orders its pushes before its arrival, the last one's orders every arrival before what
- * it writes next (its post). The counter wraps to 0 on that arrival, ready for the next launch. */
+/* Every block announces it has pushed its part; true in the last one to arrive. The arrival
+ * is one read-modify-write with release and acquire semantics at system scope: its release
+ * orders the block's pushes (every thread's, through the barrier) before it, its acquire in
+ * the last block orders every earlier arrival (each itself a release) before what that block
+ * writes next (its post). One fence's cost where a fence before the add and one after it in
+ * the last block were two. The counter wraps to 0 on the last arrival, ready for the next
+ * launch. */
 static __device__ bool arrive_last(epxc_state_t *st) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicInc(&st->ll_arrivals, gridDim.x - 1) == gridDim.x - 1;
-    if (last) __threadfence_system();
+    unsigned int before;
+    asm volatile("atom.acq_rel.sys.global.inc.u32 %0, [%1], %2;"
+                 : "=r"(before)
+                 : "l"(&st->ll_arrivals), "r"(gridDim.x - 1)
+                 : "memory");
+    last = before == gridDim.x - 1;
   }
   __syncthreads();
   return last;
