@@ -9,7 +9,7 @@ seen.
 
 A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 11 - start>", marks not taken
 printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
-..."), come from each rank's block 0 and carry the rank in the block field: the phases are
+..."), come from each rank's block 1 and carry the rank in the block field: the phases are
 summed over rank 0's, and each rank's start and end are given since the step's first start
 (the n-th line of every rank is one step). Notify's blocks ("notifytrace") build, scan and
 finish, and the last block of a launch also meets the peers and derives the receive side.

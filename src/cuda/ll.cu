@@ -15,7 +15,8 @@
  *
  * Block 0 runs the full exchange wait (stamps, verdicts, errors: exchange.cuh); the other
  * blocks take the posts as they are when every peer posted in step and reported success, and
- * otherwise wait for block 0's verdict. A step has fewer rows than the launch has warps, so
+ * otherwise wait for block 0's verdict, which comes later: the walks over rows give block 0's
+ * warps the last items (ll_warp). A step has fewer rows than the launch has warps, so
  * pushes, copies, partials and sums each cut rows into slices of whole 256-channel chunks. */
 #include "cuda/exchange.cuh"
 #include "cuda/rows.cuh"
@@ -23,15 +24,18 @@
 static_assert(EPXC_MAX_TOPK <= EPXC_LL_SLOTS, "a token's record holds every slot");
 static_assert(EPX_MAX_RANKS <= EPXC_WARP * 2, "a block's first two warps read every rank's post");
 
-/* Build with -DEPX_LL_TRACE to have every rank's block 0 print when each phase of every launch
+/* Build with -DEPX_LL_TRACE to have every rank's block 1 print when each phase of every launch
  * ended (trace.cuh: the launch's start, then ns since it; the rank where a line names the
- * block): where a decode step's latency goes, and how late each rank started. */
+ * block): where a decode step's latency goes, and how late each rank started. Block 1 comes
+ * first in the walks over rows (ll_warp) and meets its peers by their posts (posts_fine), so
+ * its phases are a small step's own; block 0's exchange has a trace of its own
+ * (-DEPX_EXCHANGE_TRACE). */
 #ifdef EPX_LL_TRACE
 #include "cuda/trace.cuh"
 #define LL_TRACE_DECL epxc_trace_t trace_store_ = {{0}, 0}, *trace_ = &trace_store_
-#define LL_TRACE() trace_mark(trace_, threadIdx.x == 0 && blockIdx.x == 0)
+#define LL_TRACE() trace_mark(trace_, threadIdx.x == 0 && blockIdx.x == 1)
 #define LL_TRACE_PRINT(what) \
-  trace_print(trace_, threadIdx.x == 0 && blockIdx.x == 0, "lltrace " what, s.rank)
+  trace_print(trace_, threadIdx.x == 0 && blockIdx.x == 1, "lltrace " what, s.rank)
 #define LL_TRACE_PARAM , epxc_trace_t *trace_ /* a function that marks phases of its own */
 #define LL_TRACE_ARG , trace_
 #else
@@ -61,6 +65,14 @@ static __device__ __forceinline__ ll_geom_t geom_of(const epxc_shape_t *s) {
 /* Rank q's region in one half of an inbox. */
 static __device__ __forceinline__ char *region_of(char *inbox, size_t region, int R, int half, int q) {
   return inbox + ((size_t)half * R + q) * region;
+}
+
+/* A warp's place in the walks over rows: block 0's warps come last. Block 0 writes the
+ * headers before it pushes and runs the exchange's full wait while the other blocks go on
+ * (meet), so a step with fewer items than the other blocks have warps leaves it none. */
+static __device__ __forceinline__ int64_t ll_warp(void) {
+  const int64_t order = blockIdx.x == 0 ? gridDim.x - 1 : blockIdx.x - 1;
+  return order * (blockDim.x / EPXC_WARP) + threadIdx.x / EPXC_WARP;
 }
 
 /* A step has fewer rows than the launch has warps: rows that one warp would move alone
@@ -137,7 +149,8 @@ static __device__ bool arrive_last(epxc_state_t *st) {
  * in it with another kind of handle: the exchange then says why), when d has failed (its
  * error stops the exchange too), or when d makes none within the timeout: then this rank
  * records the timeout, for a rank that pushed nothing to a peer that came late must not let
- * that peer read its inbox as if it had. Threads d < R of the block; why[d] (after the block's
+ * that peer read its inbox as if it had. The block's last R threads, the last one for rank 0:
+ * the first threads load the routing (plan_shared) at the same time. why[d] (after the block's
  * next barrier) is what d's inbox makes of this rank's call (inbox_status).
  *
  * One round trip when the entry is there: its words and d's post flag are loaded together.
@@ -147,7 +160,7 @@ static __device__ bool arrive_last(epxc_state_t *st) {
  * key before it posted, so the key is read once more after the post is seen (acquire). */
 static __device__ void find_inboxes(const epxc_shape_t *s, const epxc_group_t *g, uint64_t id, uint64_t epoch,
                                     bool combine, int phase, char **to, int32_t *why) {
-  const int d = threadIdx.x;
+  const int d = (int)(blockDim.x - 1 - threadIdx.x);
   if (d >= s->nranks) return;
   const volatile epxc_ll_inbox_t *e = &g->state[d]->ll_inbox[id % EPXC_LL_INBOXES];
   const volatile uint64_t *posted = &g->state[g->rank]->post[epoch & 1][d].flag;
@@ -197,7 +210,7 @@ static __device__ void release_all(epxc_state_t *st, uint64_t epoch) {
  * reporting success, none having given up on this exchange. Anything else is block 0's to
  * decide: false once block 0 has recorded its verdict, or (block 0 itself waits up to the
  * timeout) after twice the timeout. */
-static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int phase, int *parity) {
+static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int phase, int *parity LL_TRACE_PARAM) {
   epxc_state_t *me = g->state[g->rank];
   __shared__ int fine;
   __shared__ uint64_t tag[EPX_MAX_RANKS];
@@ -217,6 +230,7 @@ static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int pha
       if (ld_acquire(&me->ll_ready) >= epoch) break; /* block 0 decided first */
       if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > 2 * g->timeout_ns) break;
     }
+    LL_TRACE(); /* rank 0's flag seen */
     if (came) {
       const uint64_t status = in->words.ll.status, v = in->verdict;
       parity[r] = (int)in->words.ll.parity;
@@ -236,6 +250,7 @@ static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int pha
     for (int i = 0; i < EPXC_STAMP_WORDS; i++)
       if (stamp[r].word[i] != stamp[0].word[i]) fine = 0;
   __syncthreads();
+  LL_TRACE(); /* every post checked */
   return fine;
 }
 
@@ -250,16 +265,14 @@ static __device__ bool meet(const epxc_group_t *g, int phase, uint64_t epoch, in
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) wait_local(g, &st->post[epoch & 1][g->rank].flag, epoch, phase);
     __syncthreads();
-    LL_TRACE(); /* this rank's post seen */
     const bool met = exchange_wait(g, phase, epoch);
-    LL_TRACE(); /* the exchange decided */
     if (threadIdx.x == 0) go = met && st->group_status == EPX_SUCCESS;
     if (threadIdx.x < g->nranks) parity[threadIdx.x] = (int)st->got[threadIdx.x].ll.parity;
     release_all(st, epoch);
     __syncthreads();
     return go;
   }
-  if (posts_fine(g, epoch, phase, parity)) return true;
+  if (posts_fine(g, epoch, phase, parity LL_TRACE_ARG)) return true;
   if (threadIdx.x == 0) {
     epxc_group_t twice = *g;
     twice.timeout_ns = 2 * g->timeout_ns;
@@ -427,11 +440,13 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
 /* ---- dispatch: placing (every block, after the exchange) ------------------------------------ */
 
 /* Where each source's pairs land here (base[l * R + q]): local expert l's block at
- * l * R * max_tokens, sources in rank order, from the counts in this rank's inbox. Block 0
- * also writes them for the combine, with the counts the caller asked for. */
+ * l * R * max_tokens, sources in rank order, from the counts in this rank's inbox. The first
+ * block of the walks (ll_warp: not block 0, which may still be in the exchange) also writes
+ * them for the combine, with the counts the caller asked for. */
 static __device__ void place_shared(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int half,
                                     const epxc_dispatch_t *a, const int *parity, int32_t *base) {
   const int R = s->nranks, L = s->num_local;
+  const bool lead = blockIdx.x == (gridDim.x > 1 ? 1 : 0);
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
     const int l = i / R, q = i - l * R;
     base[i] = ((const int32_t *)(region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q) + gm->y.counts))[l];
@@ -449,13 +464,13 @@ static __device__ void place_shared(const epxc_shape_t *s, const ll_geom_t *gm, 
       base[l * R + q] = block + n;
       n += count;
     }
-    if (blockIdx.x == 0 && a->tokens_per_local_expert) a->tokens_per_local_expert[l] = n;
+    if (lead && a->tokens_per_local_expert) a->tokens_per_local_expert[l] = n;
     mine += (unsigned int)n;
   }
   mine = __reduce_add_sync(0xffffffffu, mine);
   if (lane_id() == 0 && mine) atomicAdd(&pairs, mine);
   __syncthreads();
-  if (blockIdx.x == 0) {
+  if (lead) {
     for (int i = threadIdx.x; i < L * R; i += blockDim.x) b->recv_base[half][i] = base[i];
     if (threadIdx.x == 0 && a->num_recv_rows) *a->num_recv_rows = (int64_t)pairs;
   }
@@ -515,7 +530,7 @@ static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, co
   const bool fp8 = a->recv_dtype == EPX_FP8_E4M3, scaled = a->scale_by_probs != 0;
   const epx_dtype_t stage_dtype = scaled ? a->x_dtype : a->recv_dtype;
   const slicing_t sl = arrivals(s);
-  for (int64_t i = warp_global(); i < (int64_t)s->nranks * s->max_tokens * sl.count; i += warp_count()) {
+  for (int64_t i = ll_warp(); i < (int64_t)s->nranks * s->max_tokens * sl.count; i += warp_count()) {
     arrival_t x;
     if (!arrival_at(s, gm, b, parity, base, sl, i, &x)) continue;
     const int c = x.c, w = x.w, m = x.m;
@@ -566,7 +581,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   epxc_ll_t *ll = b->dev;
   const ll_geom_t gm = geom_of(s);
   find_inboxes(s, g, b->id, epoch, false, EPXC_PH_LL_DISPATCH, to, why);
-  LL_TRACE(); /* 1: thread 0's inbox found */
+  LL_TRACE(); /* 1: thread 0 past the inbox search (the last threads') */
   const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
   const int32_t found = inbox_status(why, s->nranks), status = found != EPX_SUCCESS ? found : planned;
   LL_TRACE(); /* 2: planned */
@@ -575,13 +590,12 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
     push_headers(s, &gm, b, half, T, bits, to);
     if (threadIdx.x == 0) ll->step[half].num_tokens = T, ll->step[half].status = status;
   }
-  LL_TRACE(); /* 3: block 0's headers pushed */
   const slicing_t sl = slicing(T, s->hidden);
-  for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
+  for (int64_t i = ll_warp(); i < T * sl.count; i += warp_count()) {
     const slice_t x = slice_at(sl, s->hidden, i);
     push_token(s, &gm, b, r, a, half, x.row, x.c, x.w, bits, to);
   }
-  LL_TRACE(); /* 4: block 0's rows pushed */
+  LL_TRACE(); /* 3: rows pushed */
   if (arrive_last(g->state[g->rank])) {
     const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp, epoch);
     if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
@@ -607,12 +621,12 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   const uint64_t epoch = complete ? sent_epoch : seq0 + 1;
   if (!complete) {
     dispatch_send(&s, &g, &b, &route, &a, stamp, half, epoch, calls LL_TRACE_ARG);
-    LL_TRACE(); /* 5: block 0 arrived */
+    LL_TRACE(); /* 4: arrived */
     if (a.part == EPX_PART_SEND) return;
   }
   __shared__ int parity[EPX_MAX_RANKS];
   const bool go = meet(&g, EPXC_PH_LL_DISPATCH, epoch, parity LL_TRACE_ARG);
-  LL_TRACE(); /* 8: met (6, 7: meet's own) */
+  LL_TRACE(); /* 7: met (5, 6: posts_fine's own) */
   if (blockIdx.x == 0 && threadIdx.x < s.nranks) ll->step[half].parity[threadIdx.x] = parity[threadIdx.x];
   if (blockIdx.x == 0 && threadIdx.x == 0)
     ll->step[half].group_status = go ? EPX_SUCCESS : st->aborted ? EPX_ERR_BROKEN : st->group_status;
@@ -621,10 +635,10 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   __shared__ int32_t base[EPX_MAX_EXPERTS]; /* [L, R] */
   place_shared(&s, &gm, &b, half, &a, parity, base);
   __syncthreads();
-  LL_TRACE(); /* 9: placed */
+  LL_TRACE(); /* 8: placed */
   place_rows(&s, &gm, &b, &a, parity, base);
-  LL_TRACE(); /* 10: block 0's rows copied */
-  LL_TRACE_PRINT("dispatch found plan headers push arrive posted decided met place copy");
+  LL_TRACE(); /* 9: rows copied */
+  LL_TRACE_PRINT("dispatch found plan push arrive flags checked met place copy");
 }
 
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
@@ -645,7 +659,7 @@ static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm,
                                      int half, const epxc_combine_t *a, const int *parity, char *const *to) {
   const int H = s->hidden, R = s->nranks, K = s->topk, lane = lane_id();
   const slicing_t sl = arrivals(s);
-  for (int64_t i = warp_global(); i < (int64_t)R * s->max_tokens * sl.count; i += warp_count()) {
+  for (int64_t i = ll_warp(); i < (int64_t)R * s->max_tokens * sl.count; i += warp_count()) {
     arrival_t x;
     if (!arrival_at(s, gm, b, parity, b->recv_base[pd], sl, i, &x) || !to[x.q]) continue;
     const int c = x.c, w = x.w, m = x.m, k = x.k;
@@ -673,7 +687,7 @@ static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, co
   const int64_t T = b->dev->step[pd].num_tokens;
   const uint32_t *rank_bits = b->rank_bits[pd];
   const slicing_t sl = slicing(T, H);
-  for (int64_t i = warp_global(); i < T * sl.count; i += warp_count()) {
+  for (int64_t i = ll_warp(); i < T * sl.count; i += warp_count()) {
     const slice_t x = slice_at(sl, H, i);
     const int64_t t = x.row;
     const int c = x.c, w = x.w;
@@ -715,26 +729,26 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     const int32_t dispatched = ll->step[pd].group_status;
     __shared__ char *to[EPX_MAX_RANKS];
     __shared__ int32_t why[EPX_MAX_RANKS];
-    find_inboxes(&s, &g, b.id, epoch, true, EPXC_PH_LL_COMBINE, to, why);
-    LL_TRACE(); /* 1: thread 0's inbox found */
     if (threadIdx.x < s.nranks) parity[threadIdx.x] = ll->step[pd].parity[threadIdx.x];
+    find_inboxes(&s, &g, b.id, epoch, true, EPXC_PH_LL_COMBINE, to, why);
+    LL_TRACE(); /* 1: thread 0 past the inbox search (the last threads') */
     __syncthreads();
     const int32_t found = inbox_status(why, s.nranks), refused = found != EPX_SUCCESS ? found : dispatched;
     if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
-    LL_TRACE(); /* 2: block 0's partials pushed */
+    LL_TRACE(); /* 2: partials pushed */
     if (arrive_last(st)) {
       const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp, epoch);
       if (threadIdx.x == 0) ll->combines = calls + 1, ll->combine_epoch = posted, ll->combine_half = pd;
     }
-    LL_TRACE(); /* 3: block 0 arrived */
+    LL_TRACE(); /* 3: arrived */
     if (a.part == EPX_PART_SEND) return; /* arrive_last synchronised the block: parity[] may be rewritten */
   }
   const bool go = meet(&g, EPXC_PH_LL_COMBINE, epoch, parity LL_TRACE_ARG);
-  LL_TRACE(); /* 6: met (4, 5: meet's own) */
+  LL_TRACE(); /* 6: met (4, 5: posts_fine's own) */
   if (!go) return;
   sum_tokens(&s, &gm, &b, pd, &a, parity);
-  LL_TRACE(); /* 7: block 0's sums */
-  LL_TRACE_PRINT("combine found push arrive posted decided met sum");
+  LL_TRACE(); /* 7: sums */
+  LL_TRACE_PRINT("combine found push arrive flags checked met sum");
 }
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,

@@ -90,7 +90,7 @@ def test_exchange_steps_beside_a_kernel():
 
 
 def test_low_latency_ranks_line_up():
-    """Every rank's block 0 prints (the rank in the block field): the phases are rank 0's, and
+    """Every rank's block 1 prints (the rank in the block field): the phases are rank 0's, and
     each rank's start and end are given since the step's first start."""
     mod = _tool()
     g = rng(3)
