@@ -239,6 +239,23 @@ static __device__ __forceinline__ int64_t bit_rank(const uint32_t *bits, const i
   return (int64_t)pre[t >> 5] + __popc(below);
 }
 
+/* ---- division by a divisor fixed for a launch --------------------------------------------- */
+
+/* n / d as one multiply-high by ceil(2^32 / d), exact when n * d <= 2^32: the magic exceeds
+ * 2^32 / d by r / d with r < d, which adds n * r / (d * 2^32) < 1 / d to n / d, too little to
+ * reach the next integer. A 32-bit division by a value known only at run time is a chain of
+ * about twenty instructions, a 64-bit one a routine of about a hundred. */
+typedef struct {
+  uint32_t d, magic; /* magic 0: d is 1 */
+} epxc_divisor_t;
+
+static __device__ __forceinline__ epxc_divisor_t divisor(uint32_t d) {
+  return (epxc_divisor_t){d, d == 1 ? 0u : 0xffffffffu / d + 1u};
+}
+static __device__ __forceinline__ uint32_t quotient(epxc_divisor_t v, uint32_t n) {
+  return v.magic ? __umulhi(n, v.magic) : n;
+}
+
 /* ---- warp helpers ------------------------------------------------------------------------ */
 
 static __device__ __forceinline__ int lane_id(void) { return threadIdx.x & (EPXC_WARP - 1); }

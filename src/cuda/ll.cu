@@ -50,15 +50,31 @@ static_assert(EPX_MAX_RANKS <= EPXC_WARP * 2, "a block's first two warps read ev
 
 typedef struct {
   epxc_ll_layout_t y;
-  int W;      /* bitmap words a row: max_tokens / 32, rounded up */
-  int blocks; /* fp8 scale blocks a row */
+  int W;                /* bitmap words a row: max_tokens / 32, rounded up */
+  int blocks;           /* fp8 scale blocks a row */
+  epxc_divisor_t local; /* expert e is local expert e % L of rank e / L (e * L < 2^24) */
+  bool route_shared;    /* the dispatch keeps the routing in shared memory (route_smem) */
 } ll_geom_t;
+
+/* The dispatch's shared memory: the routing as bitmaps ([E + R, W] words), then, when it fits
+ * too, the routing itself (each token's K normalised slots: their weights, then their experts
+ * as int16), so the warps that push a token take its slots from there rather than loading and
+ * checking the caller's arrays a second time. */
+static __host__ __device__ __forceinline__ size_t bitmap_smem(int R, int E, int64_t max_tokens) {
+  return sizeof(uint32_t) * (size_t)(R + E) * (size_t)((max_tokens + 31) / 32);
+}
+static __host__ __device__ __forceinline__ size_t route_smem(int R, int E, int K, int64_t max_tokens) {
+  const size_t bytes = (sizeof(float) + sizeof(int16_t)) * (size_t)K * (size_t)max_tokens;
+  return bitmap_smem(R, E, max_tokens) + bytes <= EPXC_LL_SMEM_MAX ? bytes : 0;
+}
 
 static __device__ __forceinline__ ll_geom_t geom_of(const epxc_shape_t *s) {
   ll_geom_t g;
   g.y = epxc_ll_layout(s->num_local, s->topk, s->max_tokens, s->hidden);
   g.W = (int)((s->max_tokens + 31) / 32);
   g.blocks = (s->hidden + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
+  g.local = divisor((uint32_t)s->num_local);
+  g.route_shared = route_smem(s->nranks, s->num_experts, s->topk, s->max_tokens) != 0;
   return g;
 }
 
@@ -77,18 +93,23 @@ static __device__ __forceinline__ int64_t ll_warp(void) {
 
 /* A step has fewer rows than the launch has warps: rows that one warp would move alone
  * are cut into slices of whole 256-channel chunks (so fp8 blocks of 128 stay whole), as many
- * as keep every warp busy. Slice i of a row covers channels [i * width, min(H, (i+1) * width)). */
+ * as keep every warp busy. Slice i of a row covers channels [i * width, min(H, (i+1) * width)).
+ * Rows are cut only when fewer than the warps (at most 2^15), so a walk that cuts has fewer
+ * than 2^30 items and divides in 32 bits: a 64-bit division is a routine of about a hundred
+ * instructions, on the critical path of every warp of a decode step. */
 typedef struct {
   int width;
   int count;
 } slicing_t;
 
 static __device__ slicing_t slicing(int64_t rows, int hidden) {
-  const int chunks = (hidden + EPXC_CHUNK_CHANNELS - 1) / EPXC_CHUNK_CHANNELS;
-  int64_t want = rows > 0 ? (warp_count() + rows - 1) / rows : 1;
-  want = want < 1 ? 1 : want > chunks ? chunks : want;
-  const int width = (chunks + (int)want - 1) / (int)want * EPXC_CHUNK_CHANNELS;
-  return (slicing_t){width, (hidden + width - 1) / width};
+  const uint32_t chunks = ((uint32_t)hidden + EPXC_CHUNK_CHANNELS - 1) / EPXC_CHUNK_CHANNELS;
+  const uint32_t warps = (uint32_t)warp_count();
+  uint32_t want = rows <= 0 || rows >= warps ? 1 : (warps + (uint32_t)rows - 1) / (uint32_t)rows;
+  want = want > chunks ? chunks : want;
+  if (want <= 1) return (slicing_t){(int)(chunks * EPXC_CHUNK_CHANNELS), 1}; /* a slice is its row */
+  const uint32_t width = (chunks + want - 1) / want * EPXC_CHUNK_CHANNELS;
+  return (slicing_t){(int)width, (int)(((uint32_t)hidden + width - 1) / width)};
 }
 
 /* Item i of a walk over rows in slices: its row and its channels [c, c + w). */
@@ -98,9 +119,10 @@ typedef struct {
 } slice_t;
 
 static __device__ __forceinline__ slice_t slice_at(slicing_t sl, int hidden, int64_t i) {
-  const int64_t row = i / sl.count;
-  const int c = (int)(i - row * sl.count) * sl.width;
-  return (slice_t){row, c, min(sl.width, hidden - c)};
+  if (sl.count == 1) return (slice_t){i, 0, hidden};
+  const uint32_t row = (uint32_t)i / (uint32_t)sl.count;
+  const int c = (int)((uint32_t)i - row * (uint32_t)sl.count) * sl.width;
+  return (slice_t){(int64_t)row, c, min(sl.width, hidden - c)};
 }
 
 /* Byte offset of channel c of row t in a [*, hidden] array of type dt (where a slice starts). */
@@ -311,11 +333,12 @@ static __device__ __forceinline__ int token_route(const epxc_shape_t *s, const e
 }
 
 /* This rank's routing as bitmaps in this block's shared memory: bit t of expert row e says
- * token t chose e, of rank row d (after the E expert rows) that it goes to rank d. Returns this
+ * token t chose e, of rank row d (after the E expert rows) that it goes to rank d; and, where
+ * it fits (route_shared), each good token's slots after them. Returns this
  * rank's status: an overflow, a replay with nothing valid to replay, or the first bad token's. */
 static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_t *b, const epxc_route_t *r,
-                                      const epxc_ll_step_t *prev, int half, uint32_t *bits, int W) {
-  const int K = s->topk, E = s->num_experts, L = s->num_local;
+                                      const epxc_ll_step_t *prev, int half, uint32_t *bits, const ll_geom_t *gm) {
+  const int K = s->topk, E = s->num_experts, W = gm->W;
   const int64_t T = r->num_tokens;
   __shared__ unsigned long long bad_key;
   /* this thread's first token is read before the bitmaps are cleared: its round trip to memory
@@ -340,12 +363,19 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
       atomicMin(&bad_key, bad_route_key(t, bad, st));
       continue;
     }
+    if (gm->route_shared) {
+      float *route_w = (float *)(bits + (int64_t)(E + s->nranks) * W);
+      int16_t *route_e = (int16_t *)(route_w + (int64_t)K * s->max_tokens);
+#pragma unroll
+      for (int k = 0; k < EPXC_MAX_TOPK; k++)
+        if (k < K) route_w[t * K + k] = ws[k], route_e[t * K + k] = (int16_t)ids[k];
+    }
     const uint32_t bit = 1u << (t & 31);
 #pragma unroll
     for (int k = 0; k < EPXC_MAX_TOPK; k++)
       if (k < K && ids[k] >= 0) {
         atomicOr(&bits[(int64_t)ids[k] * W + (t >> 5)], bit);
-        atomicOr(&bits[(int64_t)(E + ids[k] / L) * W + (t >> 5)], bit);
+        atomicOr(&bits[(int64_t)(E + quotient(gm->local, ids[k])) * W + (t >> 5)], bit);
       }
   }
   __syncthreads();
@@ -395,17 +425,23 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
   const int K = s->topk, L = s->num_local, R = s->nranks, H = s->hidden, lane = lane_id();
   const bool scaled = a->scale_by_probs != 0, fp8 = a->recv_dtype == EPX_FP8_E4M3;
   const epx_dtype_t stage_dtype = scaled ? a->x_dtype : a->recv_dtype;
-  int32_t ids[EPXC_MAX_TOPK];
-  float ws[EPXC_MAX_TOPK];
-  int bad = 0;
-  token_route(s, b, r, half, t, ids, ws, &bad); /* checked by plan_shared */
   int e = -1;
   float wt = 0.0f;
+  if (gm->route_shared) { /* as plan_shared left it */
+    const float *route_w = (const float *)(bits + (int64_t)(s->num_experts + R) * gm->W);
+    const int16_t *route_e = (const int16_t *)(route_w + (int64_t)K * s->max_tokens);
+    if (lane < K) e = route_e[t * K + lane], wt = route_w[t * K + lane];
+  } else {
+    int32_t ids[EPXC_MAX_TOPK];
+    float ws[EPXC_MAX_TOPK];
+    int bad = 0;
+    token_route(s, b, r, half, t, ids, ws, &bad); /* checked by plan_shared */
 #pragma unroll
-  for (int k = 0; k < EPXC_MAX_TOPK; k++)
-    if (lane == k) e = ids[k], wt = ws[k];
+    for (int k = 0; k < EPXC_MAX_TOPK; k++)
+      if (lane == k) e = ids[k], wt = ws[k];
+  }
   if (c == 0 && lane < K) b->idx[half][t * K + lane] = e, b->weight[half][t * K + lane] = wt;
-  const int d = e >= 0 ? e / L : -1, l = e >= 0 ? e % L : 0;
+  const int d = e >= 0 ? (int)quotient(gm->local, e) : -1, l = e >= 0 ? e - d * L : 0;
   const int32_t ord = e >= 0 ? rank_in_row(bits + (int64_t)e * gm->W, t) : 0;
   void *dst[EPXC_MAX_TOPK];
   float *dscale[EPXC_MAX_TOPK];
@@ -502,7 +538,8 @@ static __device__ __forceinline__ bool arrival_at(const epxc_shape_t *s, const l
                                                   arrival_t *x) {
   const slice_t sc = slice_at(sl, s->hidden, i);
   x->c = sc.c, x->w = sc.w;
-  x->q = (int)(sc.row / s->max_tokens);
+  /* 32 bits: the bitmaps' shared-memory bound (op_ll.c) keeps R * max_tokens under 2^25 */
+  x->q = (int)((uint32_t)sc.row / (uint32_t)s->max_tokens);
   x->t = sc.row - (int64_t)x->q * s->max_tokens;
   x->region = region_of(b->dispatch_inbox, gm->y.region, s->nranks, parity[x->q], x->q);
   const epxc_ll_meta_t *meta = (const epxc_ll_meta_t *)(x->region + gm->y.meta) + x->t;
@@ -567,22 +604,20 @@ static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, co
  * on the GPU resident at once. */
 static int ll_blocks(const epxc_shape_t *s) { return EPXC_LL_BLOCKS_PER_SM * s->num_sms; }
 
-extern "C" size_t epxc_ll_smem(int R, int E, int64_t max_tokens) {
-  return sizeof(uint32_t) * (size_t)(R + E) * (size_t)((max_tokens + 31) / 32);
-}
+extern "C" size_t epxc_ll_smem(int R, int E, int64_t max_tokens) { return bitmap_smem(R, E, max_tokens); }
 
 /* SEND: plan, push, and (the last block) post. */
 static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
                                      const epxc_route_t *r, const epxc_dispatch_t *a, const epxc_stamp_t stamp,
                                      int half, uint64_t epoch, uint64_t calls LL_TRACE_PARAM) {
-  extern __shared__ uint32_t bits[]; /* [E + R, W] */
+  extern __shared__ uint32_t bits[]; /* [E + R, W], then the routing when it fits (route_smem) */
   __shared__ char *to[EPX_MAX_RANKS];
   __shared__ int32_t why[EPX_MAX_RANKS];
   epxc_ll_t *ll = b->dev;
   const ll_geom_t gm = geom_of(s);
   find_inboxes(s, g, b->id, epoch, false, EPXC_PH_LL_DISPATCH, to, why);
   LL_TRACE(); /* 1: thread 0 past the inbox search (the last threads') */
-  const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, gm.W);
+  const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, &gm);
   const int32_t found = inbox_status(why, s->nranks), status = found != EPX_SUCCESS ? found : planned;
   LL_TRACE(); /* 2: planned */
   const int64_t T = status == EPX_SUCCESS ? r->num_tokens : 0; /* refused: nothing of this rank is pushed */
@@ -644,7 +679,8 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
 extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
                                 const epxc_route_t *r, const epxc_dispatch_t *a, const epxc_stamp_t *stamp,
                                 void *stream) {
-  const size_t smem = epxc_ll_smem(s->nranks, s->num_experts, s->max_tokens);
+  const size_t smem = bitmap_smem(s->nranks, s->num_experts, s->max_tokens) +
+                      route_smem(s->nranks, s->num_experts, s->topk, s->max_tokens);
   ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, *b, *r, *a, *stamp);
   return (int)cudaGetLastError();
 }
@@ -683,7 +719,7 @@ static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm,
  * the weight gradient of every slot (0 for a slot that routed nowhere). */
 static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int pd,
                                   const epxc_combine_t *a, const int *parity) {
-  const int H = s->hidden, R = s->nranks, K = s->topk, L = s->num_local, lane = lane_id();
+  const int H = s->hidden, R = s->nranks, K = s->topk, lane = lane_id();
   const int64_t T = b->dev->step[pd].num_tokens;
   const uint32_t *rank_bits = b->rank_bits[pd];
   const slicing_t sl = slicing(T, H);
@@ -700,7 +736,8 @@ static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, co
     reduce_rows(rows, NULL, m, a->y_dtype, (char *)a->out + slice_offset(a->out_dtype, t, H, c), a->out_dtype, w);
     if (c == 0 && lane < K && a->topk_weight_grad) {
       const int e = b->idx[pd][t * K + lane];
-      const char *from = e < 0 ? NULL : region_of(b->combine_inbox, gm->y.combine_region, R, parity[e / L], e / L);
+      const int d = e < 0 ? 0 : (int)quotient(gm->local, e);
+      const char *from = e < 0 ? NULL : region_of(b->combine_inbox, gm->y.combine_region, R, parity[d], d);
       a->topk_weight_grad[t * K + lane] = from ? ((const float *)(from + gm->y.wgrad))[t * K + lane] : 0.0f;
     }
   }

@@ -103,8 +103,9 @@ static const extra_t budgeted[] = {
 /* Decode steps, after the budgets: the low-latency kernels cut rows into slices when a step
  * has fewer rows than the launch has warps (more SMs: thinner slices, fp8 scale blocks and
  * float32 tails inside a row), a rank with no tokens, one token, a step of exactly the
- * capacity with every token on one expert, and a plan too large to build in shared memory
- * (8 ranks, 256 experts, 512 tokens). */
+ * capacity with every token on one expert, a plan too large to build in shared memory
+ * (8 ranks, 256 experts, 512 tokens), and a routing too large to keep there beside its bitmaps
+ * (1500 tokens of top-8: the pushes read the caller's arrays again). */
 static const extra_t decode[] = {
     {{2, 64, 8, 7168, 16, LL, EXP, 1, BF, FP8, TU_FORM_TOPK32, 0, 1}, .num_sms = 64},
     {{2, 32, 4, 7168, 1, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, .num_sms = 16},
@@ -112,6 +113,7 @@ static const extra_t decode[] = {
     {{2, 16, 2, 2052, 24, LL, EXP, 1, F32, F32, TU_FORM_MAP, 0, 1}, .num_sms = 64},
     {{8, 256, 8, 7168, 32, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .num_sms = 16},
     {{8, 256, 8, 2048, 512, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 0}, .num_sms = 16},
+    {{2, 64, 8, 256, 1500, LL, EXP, 1, BF, BF, TU_FORM_TOPK64, 0, 1}, .num_sms = 16},
 };
 
 /* The staged fp8 dispatch (bf16 rows of more than 1024 channels), after the decode steps:
