@@ -23,6 +23,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "cuda/common.cuh" /* the kernels' own timer, acquire loads and release stores */
+
 #define REPS 2000
 #define RUNS 5
 
@@ -33,26 +35,10 @@ static void check(cudaError_t e, const char *what) {
   }
 }
 
-static __device__ __forceinline__ uint64_t now_ns(void) {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 static __device__ __forceinline__ uint64_t ld_volatile(const uint64_t *p) {
   uint64_t v;
   asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
-}
-
-static __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-static __device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 static __device__ __forceinline__ void st_volatile(uint64_t *p, uint64_t v) {
@@ -65,7 +51,7 @@ static const char *const fence_names[FENCE_COUNT] = {"none", "fence.sc.sys", "fe
 
 static __device__ __forceinline__ void fence(int f) {
   switch (f) {
-    case FENCE_SC_SYS: asm volatile("fence.sc.sys;" ::: "memory"); break;
+    case FENCE_SC_SYS: fence_sc(); break;
     case FENCE_ACQREL_SYS: asm volatile("fence.acq_rel.sys;" ::: "memory"); break;
     case FENCE_SC_GPU: asm volatile("fence.sc.gpu;" ::: "memory"); break;
     case FENCE_ACQREL_GPU: asm volatile("fence.acq_rel.gpu;" ::: "memory"); break;
@@ -82,16 +68,16 @@ static __global__ void chain_init(uint64_t *buf, uint64_t n, uint64_t stride_wor
 static __global__ void chain_walk(const uint64_t *start, int acquire, double *ns, uint64_t *sink) {
   const uint64_t *p = start;
   for (int i = 0; i < 64; i++) p = (const uint64_t *)ld_volatile(p); /* warm the path */
-  const uint64_t t0 = now_ns();
-  for (int i = 0; i < REPS; i++) p = (const uint64_t *)(acquire ? ld_acquire_sys(p) : ld_volatile(p));
-  *ns = (double)(now_ns() - t0) / REPS;
+  const uint64_t t0 = globaltimer_ns();
+  for (int i = 0; i < REPS; i++) p = (const uint64_t *)(acquire ? ld_acquire(p) : ld_volatile(p));
+  *ns = (double)(globaltimer_ns() - t0) / REPS;
   *sink = (uint64_t)(uintptr_t)p;
 }
 
 static __global__ void timer_tick(double *ns) {
-  uint64_t best = ~0ull, last = now_ns();
+  uint64_t best = ~0ull, last = globaltimer_ns();
   for (int i = 0; i < 100000; i++) {
-    const uint64_t t = now_ns();
+    const uint64_t t = globaltimer_ns();
     if (t != last && t - last < best) best = t - last;
     last = t;
   }
@@ -100,56 +86,56 @@ static __global__ void timer_tick(double *ns) {
 
 /* One thread: `stores` 16-byte stores to distinct lines, then the fence; REPS times. */
 static __global__ void fence_cost(uint4 *buf, int stores, int f, double *ns) {
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = globaltimer_ns();
   for (int i = 0; i < REPS; i++) {
     for (int s = 0; s < stores; s++) buf[(size_t)(i * 64 + s) * 8] = make_uint4(i, s, 0, 0);
     fence(f);
   }
-  *ns = (double)(now_ns() - t0) / REPS;
+  *ns = (double)(globaltimer_ns() - t0) / REPS;
 }
 
 static __global__ void release_cost(uint64_t *buf, double *ns) {
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = globaltimer_ns();
   for (int i = 0; i < REPS; i++) {
     buf[(size_t)(i + 1) * 16] = i;
-    st_release_sys(buf, i);
+    st_release(buf, i);
   }
-  *ns = (double)(now_ns() - t0) / REPS;
+  *ns = (double)(globaltimer_ns() - t0) / REPS;
 }
 
 static __global__ void atomic_chain(unsigned long long *word, double *ns) {
   unsigned long long v = 1;
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = globaltimer_ns();
   for (int i = 0; i < REPS; i++) v = atomicAdd(word, v & 1);
-  *ns = (double)(now_ns() - t0) / REPS;
+  *ns = (double)(globaltimer_ns() - t0) / REPS;
   if (v == 7) word[1] = v;
 }
 
 static __global__ void barrier_cost(double *ns) {
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = globaltimer_ns();
   for (int i = 0; i < REPS; i++) __syncthreads();
-  if (threadIdx.x == 0) *ns = (double)(now_ns() - t0) / REPS;
+  if (threadIdx.x == 0) *ns = (double)(globaltimer_ns() - t0) / REPS;
 }
 
 /* Block 0 sends i, block 1 answers i; both poll. `ordered`: release / acquire at system scope. */
 static __global__ void ping_pong(uint64_t *flags, int ordered, double *ns) {
   if (threadIdx.x != 0) return;
   uint64_t *to = &flags[blockIdx.x == 0 ? 0 : 32], *from = &flags[blockIdx.x == 0 ? 32 : 0];
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = globaltimer_ns();
   for (uint64_t i = 1; i <= REPS; i++) {
-    if (blockIdx.x == 0) ordered ? st_release_sys(to, i) : st_volatile(to, i);
-    while ((ordered ? ld_acquire_sys(from) : ld_volatile(from)) < i) {
+    if (blockIdx.x == 0) ordered ? st_release(to, i) : st_volatile(to, i);
+    while ((ordered ? ld_acquire(from) : ld_volatile(from)) < i) {
     }
-    if (blockIdx.x == 1) ordered ? st_release_sys(to, i) : st_volatile(to, i);
+    if (blockIdx.x == 1) ordered ? st_release(to, i) : st_volatile(to, i);
   }
-  if (blockIdx.x == 0) *ns = (double)(now_ns() - t0) / REPS / 2;
+  if (blockIdx.x == 0) *ns = (double)(globaltimer_ns() - t0) / REPS / 2;
 }
 
 /* Keeps the SMs' clocks up between the one-thread kernels: 20 ms of arithmetic on every SM. */
 static __global__ void busy(float *sink) {
   float x = threadIdx.x;
-  const uint64_t t0 = now_ns();
-  while (now_ns() - t0 < 20000000ull)
+  const uint64_t t0 = globaltimer_ns();
+  while (globaltimer_ns() - t0 < 20000000ull)
     for (int i = 0; i < 256; i++) x = x * 0.999f + 0.5f;
   if (x == 0.25f) *sink = x;
 }
@@ -162,7 +148,7 @@ static __global__ void icache(double *ns, float *sink) {
   uint64_t t[3];
 #pragma unroll 1 /* one copy of the code, run twice */
   for (int pass = 0; pass < 2; pass++) {
-    t[pass] = now_ns();
+    t[pass] = globaltimer_ns();
 #pragma unroll
     for (int i = 0; i < ICACHE_OPS; i++) {
       a = a * 1.0001f + (float)i;
@@ -172,7 +158,7 @@ static __global__ void icache(double *ns, float *sink) {
     }
     __syncwarp();
   }
-  t[2] = now_ns();
+  t[2] = globaltimer_ns();
   ns[0] = (double)(t[1] - t[0]);
   ns[1] = (double)(t[2] - t[1]);
   if (a + b + c + d == 0.125f) *sink = a;
