@@ -35,6 +35,28 @@ static __device__ __forceinline__ uint64_t ld_acquire(const uint64_t *p) {
   return v;
 }
 
+/* Every block of the launch arrives at *counter once; true in the last one to arrive. The
+ * arrival is one read-modify-write with release and acquire semantics at system scope: its
+ * release orders the block's writes (every thread's, through the barrier) before it, its
+ * acquire in the last block orders every earlier arrival (each itself a release) before what
+ * that block does next, a post to the peers included. One fence's cost, where a fence before
+ * the add and one after it in the last block were two. The counter wraps to 0 on the last
+ * arrival, ready for the next launch. */
+static __device__ bool block_arrives_last(uint32_t *counter) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int before;
+    asm volatile("atom.acq_rel.sys.global.inc.u32 %0, [%1], %2;"
+                 : "=r"(before)
+                 : "l"(counter), "r"(gridDim.x - 1)
+                 : "memory");
+    last = before == gridDim.x - 1;
+  }
+  __syncthreads();
+  return last;
+}
+
 /* What a trace macro (trace.cuh) stands for in a build without its flag: a statement that does
  * nothing. */
 #define EPXC_NO_TRACE \

@@ -144,28 +144,6 @@ static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint
   }
 }
 
-/* Every block announces it has pushed its part; true in the last one to arrive. The arrival
- * is one read-modify-write with release and acquire semantics at system scope: its release
- * orders the block's pushes (every thread's, through the barrier) before it, its acquire in
- * the last block orders every earlier arrival (each itself a release) before what that block
- * writes next (its post). One fence's cost where a fence before the add and one after it in
- * the last block were two. The counter wraps to 0 on the last arrival, ready for the next
- * launch. */
-static __device__ bool arrive_last(epxc_state_t *st) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int before;
-    asm volatile("atom.acq_rel.sys.global.inc.u32 %0, [%1], %2;"
-                 : "=r"(before)
-                 : "l"(&st->ll_arrivals), "r"(gridDim.x - 1)
-                 : "memory");
-    last = before == gridDim.x - 1;
-  }
-  __syncthreads();
-  return last;
-}
-
 /* Where this rank pushes on each rank d (to[d]): d's inbox of this handle, found in d's state
  * and translated. NULL when d has no such inbox, which d's post of this exchange shows (d is
  * in it with another kind of handle: the exchange then says why), when d has failed (its
@@ -631,7 +609,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
     push_token(s, &gm, b, r, a, half, x.row, x.c, x.w, bits, to);
   }
   LL_TRACE(); /* 3: rows pushed */
-  if (arrive_last(g->state[g->rank])) {
+  if (block_arrives_last(&g->state[g->rank]->ll_arrivals)) {
     const uint64_t posted = post_ll(g, EPXC_PH_LL_DISPATCH, status, half, stamp, epoch);
     if (threadIdx.x == 0) ll->dispatches = calls + 1, ll->dispatch_epoch = posted, ll->dispatch_half = half;
   }
@@ -773,12 +751,12 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     const int32_t found = inbox_status(why, s.nranks), refused = found != EPX_SUCCESS ? found : dispatched;
     if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
     LL_TRACE(); /* 2: partials pushed */
-    if (arrive_last(st)) {
+    if (block_arrives_last(&st->ll_arrivals)) {
       const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp, epoch);
       if (threadIdx.x == 0) ll->combines = calls + 1, ll->combine_epoch = posted, ll->combine_half = pd;
     }
     LL_TRACE(); /* 3: arrived */
-    if (a.part == EPX_PART_SEND) return; /* arrive_last synchronised the block: parity[] may be rewritten */
+    if (a.part == EPX_PART_SEND) return; /* block_arrives_last synchronised the block: parity[] may be rewritten */
   }
   const bool go = meet(&g, EPXC_PH_LL_COMBINE, epoch, parity LL_TRACE_ARG);
   LL_TRACE(); /* 6: met (4, 5: posts_fine's own) */
