@@ -25,7 +25,8 @@
 #define EPXC_NOTIFY_THREADS 512     /* notify: a warp builds a bitmap word (32 tokens); its last block
                                        meets the peers (thread r talks to rank r) */
 #define EPXC_NOTIFY_SMEM (96 * 1024) /* notify's dynamic shared memory: the words a pass builds */
-#define EPXC_SCAN_BATCH 8           /* prefix words a notify thread corrects at once: one round trip */
+#define EPXC_SCAN_BATCH 8           /* words a notify thread reads at once (prefix words, earlier
+                                       tickets' sums): one round trip */
 
 static_assert(EPX_MAX_RANKS <= EPXC_EXCHANGE_THREADS, "the exchange gives every rank a thread");
 static_assert(EPX_MAX_RANKS <= EPXC_NOTIFY_THREADS, "notify's exchange gives every rank a thread");

@@ -244,7 +244,7 @@ typedef struct epxc_plan {
  * are written), then sums[blocks][R + E] (int32_t: each row's popcount over the ticket's words). */
 typedef struct {
   uint32_t ticket;  /* blocks of the running launch that have started */
-  uint32_t done;    /* blocks of the running launch that have finished their part */
+  uint32_t done;    /* blocks of the running launch that have finished their part (back to 0 on the last) */
   uint64_t epoch;   /* launches completed */
   uint64_t bad_key; /* the running launch's first refused token (atomicMin); all ones between launches */
   uint64_t pad_;

@@ -199,7 +199,14 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   if (late) return false;
   for (int row = tid; row < rows; row += blockDim.x) {
     int32_t o = 0;
-    for (int j = 0; j < i; j++) o += ((volatile int32_t *)sums)[(int64_t)j * rows + row];
+    for (int j0 = 0; j0 < i; j0 += EPXC_SCAN_BATCH) { /* that many tickets' sums in one round trip */
+      int32_t v[EPXC_SCAN_BATCH];
+#pragma unroll
+      for (int u = 0; u < EPXC_SCAN_BATCH; u++)
+        v[u] = j0 + u < i ? ((volatile int32_t *)sums)[(int64_t)(j0 + u) * rows + row] : 0;
+#pragma unroll
+      for (int u = 0; u < EPXC_SCAN_BATCH; u++) o += v[u];
+    }
     off[row] = o;
     if (i == (int)gridDim.x - 1) plan->counts[row] = posted_counts[row] = o + carry[row];
   }
@@ -225,27 +232,19 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   return true;
 }
 
-/* Whether this block finished last (all the others' plan writes then visible to it); that
- * block also resets the scan for the next launch. */
+/* Whether this block finished last (all the others' plan writes then visible to it, and
+ * through its post to the peers); that block also resets the scan for the next launch. */
 static __device__ bool finished_last(epxc_plan_t *plan, epxc_scan_t *scan, uint64_t launch, int64_t T) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system(); /* the peers read the plan once the exchange publishes it */
-    last = atomicAdd(&scan->done, 1u) == gridDim.x - 1;
-    if (last) {
-      __threadfence();
-      const uint64_t bad = *(volatile uint64_t *)&scan->bad_key;
-      plan->num_tokens = T;
-      plan->refused = EPX_SUCCESS;
-      plan->bad_key = bad;
-      plan->status = plan_status(bad);
-      scan->bad_key = ~0ull;
-      scan->ticket = 0;
-      scan->done = 0;
-      scan->epoch = launch;
-      __threadfence_system();
-    }
+  const bool last = block_arrives_last(&scan->done);
+  if (last && threadIdx.x == 0) {
+    const uint64_t bad = *(volatile uint64_t *)&scan->bad_key;
+    plan->num_tokens = T;
+    plan->refused = EPX_SUCCESS;
+    plan->bad_key = bad;
+    plan->status = plan_status(bad);
+    scan->bad_key = ~0ull;
+    scan->ticket = 0;
+    scan->epoch = launch;
   }
   __syncthreads();
   return last;
