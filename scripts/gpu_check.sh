@@ -80,9 +80,9 @@ if want tests; then
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
   run test_cuda_graph_ll_1000 timeout 300 "$build/tests/gpu/test_cuda_graph" ll 1000
-  # the cases in EPX_MATCH_SHARDS processes at once (default 4; case i in shard i mod n): most
+  # the cases in EPX_MATCH_SHARDS processes at once (default 8; case i in shard i mod n): most
   # of a case's time is its host reference on one CPU core
-  run test_cuda_match timeout 420 bash -c "$(declare -f match_shards); match_shards $build ${EPX_MATCH_SHARDS:-4}"
+  run test_cuda_match timeout 420 bash -c "$(declare -f match_shards); match_shards $build ${EPX_MATCH_SHARDS:-8}"
   # one rank per process (CUDA IPC), rank r on GPU r % count, against the host backend; with
   # several GPUs also every process on the first one (the driver time-slices their contexts)
   run test_cuda_mp timeout 240 "$build/tests/gpu/test_cuda_mp"
