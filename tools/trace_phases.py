@@ -12,10 +12,13 @@ printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch
 ..."), come from each rank's block 1 and carry the rank in the block field: the phases are
 summed over rank 0's, and each rank's start and end are given since the step's first start
 (the n-th line of every rank is one step). Notify's blocks ("notifytrace") build, scan and
-finish, and the last block of a launch also meets the peers and derives the receive side.
-Notify's blocks of one launch are the lines whose starts lie within --window us of the
-launch's first; its phases are also given since that first start, the whole launch as one
-rank saw it. --skip drops each kind's first N
+finish, and the last block of a launch also meets the peers and derives the receive side;
+their block field is rank * 1000 + ticket. A rank's blocks of one launch are its lines whose
+starts lie within --window us of the launch's first. The phases are rank 0's, also given
+since the launch's first start (the whole launch as one rank saw it); with several ranks the
+n-th launch of each is one step, and each rank's start, when its slowest block was done and
+its end are given since the step's first start, then the phases of the rank that started
+last (its slowest block's, and its last block's). --skip drops each kind's first N
 launches (warm-up).
 """
 
@@ -31,6 +34,7 @@ NOTIFY_KIND = "notifytrace"
 LL_KIND = "lltrace"  # lines carry the rank in the block field
 NOTIFY_PHASES = ["built", "scanned", "done", "met the peers", "receive side"]
 NOTIFY_BLOCK_PHASES = 3  # marks every block takes; the rest only the closing block
+RANK_BLOCKS = 1000  # a notify line's block field: rank * RANK_BLOCKS + ticket (EPXC_TRACE_RANK_BLOCKS)
 LINE = re.compile(r"^(?P<kind>[a-z]+trace[^:]*?) (?P<block>\d+): (?P<start>\d+)(?P<marks>( \d+)*)\s*$")
 
 
@@ -81,7 +85,12 @@ def launches(marks: list[Mark], window_us: float) -> list[list[Mark]]:
 
 
 def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str]:
-    groups = launches(marks, window_us)[skip:]
+    by_rank: dict[int, list[Mark]] = {}
+    for m in marks:
+        by_rank.setdefault(m.block // RANK_BLOCKS, []).append(m)
+    ranks = sorted(by_rank)
+    steps = {r: launches(by_rank[r], window_us)[skip:] for r in ranks}
+    groups = steps[ranks[0]]
     per_block = [[] for _ in NOTIFY_PHASES]  # since each block's own start
     per_launch = [[] for _ in NOTIFY_PHASES]  # since the launch's first start
     for g in groups:
@@ -95,7 +104,43 @@ def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str
     for i, name in enumerate(NOTIFY_PHASES):
         who = "every block" if i < NOTIFY_BLOCK_PHASES else "the last block"
         rows.append(f"  {name:14} {spread(per_block[i]):24} | {spread(per_launch[i]):24} ({who})")
-    return rows
+    return rows + (notify_ranks(steps, ranks) if len(ranks) > 1 else [])
+
+
+def notify_launch(g: list[Mark], since: int) -> tuple[list[float], list[float]]:
+    """One rank's launch: when its slowest block ended each block phase, and when its last
+    block ended the others, us since `since`."""
+    slowest = [max((m.start - since + m.marks[i]) / 1000 for m in g if i < len(m.marks))
+               for i in range(NOTIFY_BLOCK_PHASES)]
+    closer = max(g, key=lambda m: len(m.marks))
+    rest = [(closer.start - since + t) / 1000 for t in closer.marks[NOTIFY_BLOCK_PHASES: len(NOTIFY_PHASES)]]
+    return slowest, rest
+
+
+def notify_ranks(steps: dict[int, list[list[Mark]]], ranks: list[int]) -> list[str]:
+    """Every rank's notify, the n-th launch of each one step: each rank's start, when its
+    slowest block was done and its end, since the step's first start; then the phases of the
+    rank that started last (its peers' posts are there when it looks: the step's own cost)."""
+    n = min(len(v) for v in steps.values())
+    rows = [f"  {n} steps of {len(ranks)} ranks (us since the step's first start, min / median / max):"]
+    for r in ranks:
+        started, done, ended = [], [], []
+        for k in range(n):
+            first = min(steps[q][k][0].start for q in ranks)
+            g = steps[r][k]
+            slowest, rest = notify_launch(g, first)
+            started.append((g[0].start - first) / 1000)
+            done.append(slowest[-1])
+            ended.append(rest[-1] if rest else slowest[-1])
+        rows.append(f"    rank {r}: started {spread(started)}, blocks done {spread(done)}, ended {spread(ended)}")
+    rows.append("  the rank that started last, since its start (its slowest block, then its last block):")
+    late = [max((steps[q][k] for q in ranks), key=lambda g: g[0].start) for k in range(n)]
+    phases = [[] for _ in NOTIFY_PHASES]
+    for g in late:
+        slowest, rest = notify_launch(g, g[0].start)
+        for i, t in enumerate(slowest + rest):
+            phases[i].append(t)
+    return rows + [f"    {name:14} {spread(phases[i])}" for i, name in enumerate(NOTIFY_PHASES)]
 
 
 def phase_rows(ms: list[Mark], phases: list[str], indent: str) -> list[str]:

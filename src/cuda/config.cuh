@@ -82,5 +82,6 @@ static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and pl
 /* ---- tracing (-DEPX_LL_TRACE, -DEPX_NOTIFY_TRACE: trace.cuh) --------------------------------- */
 
 #define EPXC_TRACE_POINTS 12        /* phase times a traced launch keeps */
+#define EPXC_TRACE_RANK_BLOCKS 1000 /* a notify trace line's block field: rank * this + ticket */
 
 #endif

@@ -2,14 +2,16 @@
  * and, once every rank's counts are known, where each row lands. */
 #include "cuda/exchange.cuh"
 
-/* Build with -DEPX_NOTIFY_TRACE to have every block of rank 0's notify print when its phases
- * ended (trace.cuh): started, built, scanned, done; the last block also met the peers and
- * derived the receive side. */
+/* Build with -DEPX_NOTIFY_TRACE to have every block of every rank's notify print when its
+ * phases ended (trace.cuh): started, built, scanned, done; the last block also met the peers
+ * and derived the receive side. The block field is rank * EPXC_TRACE_RANK_BLOCKS + ticket. */
 #ifdef EPX_NOTIFY_TRACE
 #include "cuda/trace.cuh"
+static_assert(EPXC_NOTIFY_THREADS <= EPXC_TRACE_RANK_BLOCKS, "a rank's tickets fit its block numbers");
 #define NOTIFY_TRACE_DECL epxc_trace_t trace_ = {{0}, 0}
 #define NOTIFY_TRACE() trace_mark(&trace_, threadIdx.x == 0)
-#define NOTIFY_TRACE_PRINT() trace_print(&trace_, threadIdx.x == 0 && s.rank == 0, "notifytrace", ticket)
+#define NOTIFY_TRACE_PRINT() \
+  trace_print(&trace_, threadIdx.x == 0, "notifytrace", s.rank * EPXC_TRACE_RANK_BLOCKS + ticket)
 #else
 #define NOTIFY_TRACE_DECL
 #define NOTIFY_TRACE() EPXC_NO_TRACE

@@ -119,3 +119,49 @@ def test_low_latency_ranks_line_up():
     for i, name in enumerate(kind.split()[2:]):
         us = [runs[q][n][i] / 1000 for q, n in zip(last, range(skip, steps))]
         assert rows[7 + ranks + i] == f"    {name:14} {min(us):.1f} / {statistics.median(us):.1f} / {max(us):.1f}"
+
+
+def test_notify_ranks_line_up():
+    """Every rank's notify blocks print (block field rank * 1000 + ticket): rank 0's phases as
+    before, then each rank's start, slowest block and end since the step's first start, and
+    the phases of the rank that started last."""
+    mod = _tool()
+    g = rng(4)
+    ranks, blocks, steps, skip = int(g.integers(2, 9)), int(g.integers(2, 17)), int(g.integers(2, 8)), 1
+    late = {r: [int(x) for x in g.integers(0, 50000, steps)] for r in range(ranks)}
+    lines, want = [], {}
+    for n in range(steps):
+        step0 = 10**9 + 10**7 * n
+        for r in g.permutation(ranks):
+            r = int(r)
+            first = step0 + late[r][n]
+            slowest, closer = [0, 0, 0], None
+            for b in g.permutation(blocks):
+                start = first + (int(g.integers(1, 2000)) if b else 0)
+                marks = sorted(int(x) for x in g.integers(1000, 40000, 3))
+                if b == blocks - 1:
+                    marks += sorted(int(x) for x in g.integers(40000, 90000, 2))
+                    closer = [(start - first + t) / 1000 for t in marks[3:]]
+                slowest = [max(s, (start - first + t) / 1000) for s, t in zip(slowest, marks[:3])]
+                lines.append(_line("notifytrace", r * mod.RANK_BLOCKS + int(b), start, marks))
+            want[r, n] = (late[r][n], slowest, closer)
+    rows = mod.summarise(mod.parse(lines), skip=skip)
+    assert rows[0].startswith(f"notify: {steps - skip} launches, {(steps - skip) * blocks} block lines")
+    at = 1 + len(mod.NOTIFY_PHASES)
+    assert rows[at] == f"  {steps - skip} steps of {ranks} ranks (us since the step's first start, min / median / max):"
+
+    def spread(v):
+        return f"{min(v):.1f} / {statistics.median(v):.1f} / {max(v):.1f}"
+
+    kept = range(skip, steps)
+    for r in range(ranks):
+        first = {n: min(late[q][n] for q in range(ranks)) for n in kept}
+        started = [(late[r][n] - first[n]) / 1000 for n in kept]
+        done = [(late[r][n] - first[n]) / 1000 + want[r, n][1][-1] for n in kept]
+        ended = [(late[r][n] - first[n]) / 1000 + want[r, n][2][-1] for n in kept]
+        assert rows[at + 1 + r] == f"    rank {r}: started {spread(started)}, blocks done {spread(done)}, ended {spread(ended)}"
+    assert rows[at + 1 + ranks].startswith("  the rank that started last, since its start")
+    last = [max(range(ranks), key=lambda q: late[q][n]) for n in kept]
+    for i, name in enumerate(mod.NOTIFY_PHASES):
+        us = [(want[q, n][1] + want[q, n][2])[i] for q, n in zip(last, kept)]
+        assert rows[at + 2 + ranks + i] == f"    {name:14} {spread(us)}"
