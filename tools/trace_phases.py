@@ -110,7 +110,7 @@ def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str
 def notify_launch(g: list[Mark], since: int) -> tuple[list[float], list[float]]:
     """One rank's launch: when its slowest block ended each block phase, and when its last
     block ended the others, us since `since`."""
-    slowest = [max((m.start - since + m.marks[i]) / 1000 for m in g if i < len(m.marks))
+    slowest = [max(((m.start - since + m.marks[i]) / 1000 for m in g if i < len(m.marks)), default=0.0)
                for i in range(NOTIFY_BLOCK_PHASES)]
     closer = max(g, key=lambda m: len(m.marks))
     rest = [(closer.start - since + t) / 1000 for t in closer.marks[NOTIFY_BLOCK_PHASES: len(NOTIFY_PHASES)]]
