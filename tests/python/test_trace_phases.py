@@ -135,14 +135,14 @@ def test_notify_ranks_line_up():
         for r in g.permutation(ranks):
             r = int(r)
             first = step0 + late[r][n]
-            slowest, closer = [0, 0, 0], None
+            slowest, closer = [0, 0, 0], None  # ns since the rank's first start
             for b in g.permutation(blocks):
                 start = first + (int(g.integers(1, 2000)) if b else 0)
                 marks = sorted(int(x) for x in g.integers(1000, 40000, 3))
                 if b == blocks - 1:
                     marks += sorted(int(x) for x in g.integers(40000, 90000, 2))
-                    closer = [(start - first + t) / 1000 for t in marks[3:]]
-                slowest = [max(s, (start - first + t) / 1000) for s, t in zip(slowest, marks[:3])]
+                    closer = [start - first + t for t in marks[3:]]
+                slowest = [max(s, start - first + t) for s, t in zip(slowest, marks[:3])]
                 lines.append(_line("notifytrace", r * mod.RANK_BLOCKS + int(b), start, marks))
             want[r, n] = (late[r][n], slowest, closer)
     rows = mod.summarise(mod.parse(lines), skip=skip)
@@ -157,11 +157,11 @@ def test_notify_ranks_line_up():
     for r in range(ranks):
         first = {n: min(late[q][n] for q in range(ranks)) for n in kept}
         started = [(late[r][n] - first[n]) / 1000 for n in kept]
-        done = [(late[r][n] - first[n]) / 1000 + want[r, n][1][-1] for n in kept]
-        ended = [(late[r][n] - first[n]) / 1000 + want[r, n][2][-1] for n in kept]
+        done = [(late[r][n] - first[n] + want[r, n][1][-1]) / 1000 for n in kept]
+        ended = [(late[r][n] - first[n] + want[r, n][2][-1]) / 1000 for n in kept]
         assert rows[at + 1 + r] == f"    rank {r}: started {spread(started)}, blocks done {spread(done)}, ended {spread(ended)}"
     assert rows[at + 1 + ranks].startswith("  the rank that started last, since its start")
     last = [max(range(ranks), key=lambda q: late[q][n]) for n in kept]
     for i, name in enumerate(mod.NOTIFY_PHASES):
-        us = [(want[q, n][1] + want[q, n][2])[i] for q, n in zip(last, kept)]
+        us = [(want[q, n][1] + want[q, n][2])[i] / 1000 for q, n in zip(last, kept)]
         assert rows[at + 2 + ranks + i] == f"    {name:14} {spread(us)}"
