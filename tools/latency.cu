@@ -17,7 +17,12 @@
  *  - atomicAdd chain: dependent atomics on one word (each adds the last result's low bit).
  *  - __syncthreads, 512 threads.
  *  - flag one way: two blocks on two SMs pass a counter back and forth by a store and a poll
- *    (release / acquire at system scope, or relaxed volatile); half the round trip. */
+ *    (release / acquire at system scope, or relaxed volatile); half the round trip.
+ *  - L1 load chain beside a poller: dependent loads over 4 KiB that stay in L1, by one warp,
+ *    while another warp of the same block polls a flag by acquires at system scope, by
+ *    volatile loads, or not at all. An acquire compiles to a load and CCTL.IVALL, an
+ *    invalidation of the whole L1: if the poller's acquires empty it, the chain runs at L2's
+ *    pace instead of L1's (what a waiting block does to the blocks beside it). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -131,6 +136,29 @@ static __global__ void ping_pong(uint64_t *flags, int ordered, double *ns) {
   if (blockIdx.x == 0) *ns = (double)(globaltimer_ns() - t0) / REPS / 2;
 }
 
+/* Warp 0's lane 0 walks a chain that fits L1 (loads cached in L1) while warp 1's lane 0 polls
+ * `flag` (poll 1: acquire at system scope, 2: volatile) until the walk is done; poll 0: no
+ * poller. Both warps are in one block, so on one SM. */
+static __global__ void l1_beside_poller(const uint64_t *start, const uint64_t *flag, int poll, double *ns,
+                                        uint64_t *sink) {
+  __shared__ volatile int walking;
+  if (threadIdx.x == 0) walking = 1;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint64_t *p = start;
+    for (int i = 0; i < 256; i++) p = (const uint64_t *)__ldca(p); /* into L1 */
+    const uint64_t t0 = globaltimer_ns();
+    for (int i = 0; i < REPS; i++) p = (const uint64_t *)__ldca(p);
+    *ns = (double)(globaltimer_ns() - t0) / REPS;
+    *sink = (uint64_t)(uintptr_t)p;
+    walking = 0;
+  } else if (threadIdx.x == EPXC_WARP && poll) {
+    uint64_t seen = 0;
+    while (walking) seen += poll == 1 ? ld_acquire(flag) : ld_volatile(flag);
+    sink[1] = seen;
+  }
+}
+
 /* Keeps the SMs' clocks up between the one-thread kernels: 20 ms of arithmetic on every SM. */
 static __global__ void busy(float *sink) {
   float x = threadIdx.x;
@@ -227,6 +255,11 @@ int main(void) {
   MEASURE("__syncthreads, 512 threads", (barrier_cost<<<1, 512>>>(ns)));
   MEASURE("flag one way, release/acquire.sys", (cudaMemset(sink, 0, 4096), ping_pong<<<2, 32>>>(sink, 1, ns)));
   MEASURE("flag one way, volatile", (cudaMemset(sink, 0, 4096), ping_pong<<<2, 32>>>(sink, 0, ns)));
+  /* 32 nodes 128 B apart: 4 KiB, one L1 line a node */
+  chain_init<<<1, 32>>>(small, 32, 16, 7);
+  MEASURE("L1 load chain, no poller", (l1_beside_poller<<<1, 64>>>(small, sink + 64, 0, ns, sink)));
+  MEASURE("L1 load chain, poller by acquires", (l1_beside_poller<<<1, 64>>>(small, sink + 64, 1, ns, sink)));
+  MEASURE("L1 load chain, poller by volatile loads", (l1_beside_poller<<<1, 64>>>(small, sink + 64, 2, ns, sink)));
   check(cudaDeviceSynchronize(), "sync");
   return 0;
 }
