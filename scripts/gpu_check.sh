@@ -179,7 +179,9 @@ if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
           "--tokens 4096 --iters 10" "--tokens 4096 --iters 10 --layout expert --align 128"
           "--tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128"
           "--tokens 4096 --iters 10 --layout expert --align 128 --mode a2a" "--tokens 32768 --iters 5"
-          "--tokens 128 --iters 50 --mode ll --graph" "--tokens 128 --iters 50 --mode ll --dtype fp8 --graph")
+          "--tokens 128 --iters 50 --mode ll --graph" "--tokens 128 --iters 50 --mode ll --dtype fp8 --graph"
+          "--ranks 2 --tokens 128 --iters 50 --mode ll --graph" "--ranks 2 --tokens 1 --iters 50 --mode ll --graph"
+          "--ranks 1 --tokens 4096 --iters 20")
   for i in "${!shapes[@]}"; do
     run "compare-base-$i" env CUDA_VISIBLE_DEVICES=${first%%,*} LD_LIBRARY_PATH="$PWD/$base" \
       "$base/epx-bench" --backend cuda --json ${shapes[$i]}
@@ -197,7 +199,7 @@ for i in range(n):
     b, c = run(f"compare-base-{i}"), run(f"compare-new-{i}")
     if not b or not c:
         print(f"shape {i}: no result"); continue
-    shape = f"{c['mode']} {c['layout']} {c['recv_dtype']} T={c['tokens']} sms={c.get('sms_in_use', '?')}"
+    shape = f"R={c['ranks']} {c['mode']} {c['layout']} {c['recv_dtype']} T={c['tokens']} sms={c.get('sms_in_use', '?')}"
     for ph in ("notify", "dispatch", "combine"):
         if b.get(ph + "_ms") and c.get(ph + "_ms"):
             per_sm = f"{b.get(ph + '_gbps_per_sm', 0):12.1f} {c.get(ph + '_gbps_per_sm', 0):6.1f}"
@@ -313,3 +315,8 @@ for f in "$logs"/bench-*.log "$logs"/nvlink-*.log "$logs"/scaling-*.log "$logs"/
   echo "-- $(basename "$f" .log)"
   grep -E '^(copy|dispatch|combine|notify|check|with a GPU|GB/s/SM|\{"baseline)' "$f"
 done
+# EPX_GPU_PACK=1: everything in $out also packed into one archive, gpu-check.tgz, the loose files
+# removed (for a runner that brings back only a few files)
+if [ -n "${EPX_GPU_PACK:-}" ]; then
+  tar -czf "$logs/gpu-check.tgz" -C "$out" . && find "$out" -mindepth 1 -delete && mv "$logs/gpu-check.tgz" "$out/"
+fi
