@@ -35,6 +35,23 @@ static __device__ __forceinline__ uint64_t ld_acquire(const uint64_t *p) {
   return v;
 }
 
+static __device__ __forceinline__ uint64_t ld_relaxed(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/* Whether *p >= target, with acquire semantics when it is: look `spin` of a wait. An acquire
+ * load at system scope is a load and an invalidation of the SM's whole L1 (CCTL.IVALL in the
+ * SASS, nvcc 13.0, sm_90), so a waiter polling by acquires empties the L1 of every block that
+ * shares its SM, whose stacks and cached loads then come from L2 (bench/RESULTS.md,
+ * 2026-12-06). The first look is an acquire (a flag already there costs one round trip);
+ * later ones are relaxed, and the one that finds the target is followed by an acquire. */
+static __device__ __forceinline__ bool reached(const uint64_t *p, uint64_t target, uint32_t spin) {
+  if (spin == 0) return ld_acquire(p) >= target;
+  return ld_relaxed(p) >= target && ld_acquire(p) >= target;
+}
+
 /* Every block of the launch arrives at *counter once; true in the last one to arrive. The
  * arrival is one read-modify-write with release and acquire semantics at system scope: its
  * release orders the block's writes (every thread's, through the barrier) before it, its
@@ -114,7 +131,7 @@ static __device__ int wait_flag(const epxc_group_t *g, const uint64_t *flag, uin
   uint64_t start = globaltimer_ns();
   volatile epxc_error_t *peer_err = &g->errors[peer];
   for (uint32_t spin = 0;; spin++) {
-    if (ld_acquire(flag) >= epoch) return WAIT_ARRIVED;
+    if (reached(flag, epoch, spin)) return WAIT_ARRIVED;
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK) {
       const int ps = peer_err->status;
       if (fatal_status(ps)) {

@@ -192,7 +192,7 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   if (tid == 0) late = 0;
   __syncthreads();
   const uint64_t start = globaltimer_ns();
-  for (uint32_t spin = 0; tid < i && ld_acquire(&ready[tid]) < launch; spin++)
+  for (uint32_t spin = 0; tid < i && !reached(&ready[tid], launch, spin); spin++)
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
       late = 1;
       break;

@@ -136,7 +136,7 @@ static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t,
 static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint64_t target, int phase) {
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0;; spin++) {
-    if (ld_acquire(p) >= target) return true;
+    if (reached(p, target, spin)) return true;
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
       record_error(g, EPX_ERR_TIMEOUT, phase, g->rank, (int64_t)(g->timeout_ns / 1000000));
       return false;
@@ -223,11 +223,11 @@ static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int pha
     const uint64_t start = globaltimer_ns();
     bool came = false;
     for (uint32_t spin = 0;; spin++) {
-      if (ld_acquire((const uint64_t *)&in->flag) >= epoch) {
+      if (reached((const uint64_t *)&in->flag, epoch, spin)) {
         came = true;
         break;
       }
-      if (ld_acquire(&me->ll_ready) >= epoch) break; /* block 0 decided first */
+      if (reached(&me->ll_ready, epoch, spin)) break; /* block 0 decided first */
       if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > 2 * g->timeout_ns) break;
     }
     LL_TRACE(); /* rank 0's flag seen */
