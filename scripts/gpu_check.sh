@@ -20,7 +20,8 @@
 #   atomics, barriers and flags cost)
 # The benchmarks emulate an EP group on one GPU (the first visible one); the tests place rank r
 # on GPU r % count, so on a machine with several GPUs they also cross NVLink.
-# Logs go to $OUT (or ./gpu-check-out). Leaves the GPU's settings alone.
+# Logs go to $OUT (or ./gpu-check-out); a GPU pytest test that runs past 12 s leaves every
+# thread's stacks there (stall-stacks.txt). Leaves the GPU's settings alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=" ${*:-all} "
@@ -61,6 +62,31 @@ match_shards() {
   return $rc
 }
 
+# Runs a pytest command (its output into $1) and, when faulthandler reports a test still running
+# after its timeout (pytest -o faulthandler_timeout), saves every thread's native stack too
+# (gdb or cuda-gdb, where the machine has one) in $out/stall-stacks.txt: the Python stacks say
+# which call a rank is in, the native ones whether it waits in CUDA, a loader or the kernel.
+pytest_with_stacks() {
+  local log=$1 dumped=0 dbg; shift
+  dbg=$(command -v gdb || command -v cuda-gdb || true)
+  "$@" >"$log" 2>&1 &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if [ $dumped = 0 ] && grep -q 'Timeout (0:' "$log"; then
+      dumped=1
+      local py
+      py=$(pgrep -n -f 'python3 -m pytest')
+      if [ -n "$dbg" ] && [ -n "$py" ]; then
+        timeout 60 "$dbg" -p "$py" -batch -ex 'info threads' -ex 'thread apply all bt 25' >"$out/stall-stacks.txt" 2>&1
+      else
+        echo "a test stalled; no debugger here for its native stacks" >"$out/stall-stacks.txt"
+      fi
+    fi
+  done
+  wait "$pid"
+}
+
 summary=()
 run() { # name, command...
   local name=$1; shift
@@ -91,7 +117,11 @@ if want tests; then
     run test_cuda_mp_one_gpu env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 240 "$build/tests/gpu/test_cuda_mp"
   fi
   # the Python package on CUDA tensors (torch), against the CPU backend and dense references
-  run pytest-gpu env EPX_LIBRARY="$PWD/$build/libepx.so" EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -m "gpu and not megatron" tests/python
+  # faulthandler prints every thread's Python stack when a test runs past 12 s (none should:
+  # the collectives' timeout is 20 s); pytest_with_stacks adds the native stacks
+  run pytest-gpu bash -c "$(declare -f pytest_with_stacks); out=$out; pytest_with_stacks $logs/pytest-gpu.raw \
+    env EPX_LIBRARY=$PWD/$build/libepx.so EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    -o faulthandler_timeout=12 -m 'gpu and not megatron' tests/python; rc=\$?; cat $logs/pytest-gpu.raw; exit \$rc"
   run example-prefill-decode env EPX_LIBRARY="$PWD/$build/libepx.so" PYTHONPATH=python timeout 120 python3 examples/prefill_decode.py
 fi
 
