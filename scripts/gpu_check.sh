@@ -9,8 +9,9 @@
 #   runs compute-sanitizer memcheck over test_cuda_graph ht and ll and a subset of
 #   test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them); compare runs
 #   the bench shapes (2 SMs a rank where the SMs bind, then 16) on another build,
-#   EPX_GPU_BUILD_BASE, and this one, alternating, and prints new / base and GB/s per SM per
-#   phase; megatron runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
+#   EPX_GPU_BUILD_BASE (a build, or a folder holding only a library), and this one, alternating
+#   (EPX_COMPARE_SHAPES picks shapes, EPX_COMPARE_ROUNDS repeats them), and prints new / base
+#   and GB/s per SM per phase; megatron runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
 #   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
 #   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
 #   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
@@ -212,28 +213,46 @@ if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
           "--tokens 128 --iters 50 --mode ll --graph" "--tokens 128 --iters 50 --mode ll --dtype fp8 --graph"
           "--ranks 2 --tokens 128 --iters 50 --mode ll --graph" "--ranks 2 --tokens 1 --iters 50 --mode ll --graph"
           "--ranks 1 --tokens 4096 --iters 20")
-  for i in "${!shapes[@]}"; do
-    run "compare-base-$i" env CUDA_VISIBLE_DEVICES=${first%%,*} LD_LIBRARY_PATH="$PWD/$base" \
-      "$base/epx-bench" --backend cuda --json ${shapes[$i]}
-    run "compare-new-$i" env CUDA_VISIBLE_DEVICES=${first%%,*} "$build/epx-bench" --backend cuda --json ${shapes[$i]}
+  # EPX_COMPARE_SHAPES: the shapes' indices to run (default every one); EPX_COMPARE_ROUNDS: how
+  # often each pair runs (default 1). A base folder with only a library runs this build's benchmark.
+  pick=${EPX_COMPARE_SHAPES:-${!shapes[*]}} rounds=${EPX_COMPARE_ROUNDS:-1}
+  base_bench=$base/epx-bench
+  [ -x "$base_bench" ] || base_bench=$build/epx-bench
+  for ((k = 0; k < rounds; k++)); do
+    for i in $pick; do
+      run "compare-base-$i-$k" env CUDA_VISIBLE_DEVICES=${first%%,*} LD_LIBRARY_PATH="$PWD/$base" \
+        "$base_bench" --backend cuda --json ${shapes[$i]}
+      run "compare-new-$i-$k" env CUDA_VISIBLE_DEVICES=${first%%,*} "$build/epx-bench" --backend cuda --json ${shapes[$i]}
+    done
   done
-  python3 - "$logs" "${#shapes[@]}" <<'PY' | tee "$out/compare.txt"
-import json, sys
-logs, n = sys.argv[1], int(sys.argv[2])
+  python3 - "$logs" "$rounds" $pick <<'PY' | tee "$out/compare.txt"
+import json, statistics, sys
+logs, rounds, picked = sys.argv[1], int(sys.argv[2]), [int(i) for i in sys.argv[3:]]
 def run(name):
-    for line in open(f"{logs}/{name}.log"):
-        if line.startswith("{"):
-            return json.loads(line)
-print(f"{'shape':44} {'phase':9} {'base ms':>9} {'new ms':>9} {'new/base':>8} {'GB/s/SM base':>12} {'new':>6}")
-for i in range(n):
-    b, c = run(f"compare-base-{i}"), run(f"compare-new-{i}")
-    if not b or not c:
+    try:
+        for line in open(f"{logs}/{name}.log"):
+            if line.startswith("{"):
+                return json.loads(line)
+    except OSError:
+        return None
+def span(v, fmt):
+    return fmt % v[0] if len(v) == 1 else (fmt + "-" + fmt) % (min(v), max(v))
+print(f"{'shape':44} {'phase':9} {'base ms':>15} {'new ms':>15} {'new/base':>8} {'GB/s/SM base':>12} {'new':>6}")
+for i in picked:
+    bs = [r for r in (run(f"compare-base-{i}-{k}") for k in range(rounds)) if r]
+    cs = [r for r in (run(f"compare-new-{i}-{k}") for k in range(rounds)) if r]
+    if not bs or not cs:
         print(f"shape {i}: no result"); continue
+    c = cs[0]
     shape = f"R={c['ranks']} {c['mode']} {c['layout']} {c['recv_dtype']} T={c['tokens']} sms={c.get('sms_in_use', '?')}"
     for ph in ("notify", "dispatch", "combine"):
-        if b.get(ph + "_ms") and c.get(ph + "_ms"):
-            per_sm = f"{b.get(ph + '_gbps_per_sm', 0):12.1f} {c.get(ph + '_gbps_per_sm', 0):6.1f}"
-            print(f"{shape:44} {ph:9} {b[ph + '_ms']:9.4f} {c[ph + '_ms']:9.4f} {c[ph + '_ms'] / b[ph + '_ms']:8.3f} {per_sm}")
+        b_ms = [r[ph + "_ms"] for r in bs if r.get(ph + "_ms")]
+        c_ms = [r[ph + "_ms"] for r in cs if r.get(ph + "_ms")]
+        if b_ms and c_ms:
+            ratio = statistics.median(c_ms) / statistics.median(b_ms)
+            per_sm = f"{statistics.median(r.get(ph + '_gbps_per_sm', 0) for r in bs):12.1f} " \
+                     f"{statistics.median(r.get(ph + '_gbps_per_sm', 0) for r in cs):6.1f}"
+            print(f"{shape:44} {ph:9} {span(b_ms, '%.4f'):>15} {span(c_ms, '%.4f'):>15} {ratio:8.3f} {per_sm}")
 PY
 fi
 # Nsight Compute over the high-throughput kernels and notify, one report each in $out/profile
