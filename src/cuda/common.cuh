@@ -41,10 +41,11 @@ static __device__ __forceinline__ uint64_t ld_relaxed(const uint64_t *p) {
   return v;
 }
 
-/* Whether *p >= target, with acquire semantics when it is: look `spin` of a wait. An acquire
- * load at system scope is a load and an invalidation of the SM's whole L1 (CCTL.IVALL in the
- * SASS, nvcc 13.0, sm_90), so a waiter polling by acquires empties the L1 of every block that
- * shares its SM, whose stacks and cached loads then come from L2 (bench/RESULTS.md,
+/* Whether *p >= target, read with acquire semantics when it is; `spin` counts the wait's earlier
+ * looks. An acquire load at system scope is a load and an invalidation of the SM's whole L1
+ * (CCTL.IVALL in the SASS, nvcc 13.0, sm_90), so a waiter polling by acquires empties the L1
+ * of every block that shares its SM, whose stacks and cached loads then come from L2: a load
+ * that hits L1 took 135 ns instead of 16 beside such a poller (epx-latency, bench/RESULTS.md,
  * 2026-12-06). The first look is an acquire (a flag already there costs one round trip);
  * later ones are relaxed, and the one that finds the target is followed by an acquire. */
 static __device__ __forceinline__ bool reached(const uint64_t *p, uint64_t target, uint32_t spin) {
