@@ -143,6 +143,15 @@ static __device__ bool peer_kept(const epxc_group_t *g, const volatile epxc_slot
 
 /* ---- the wait ------------------------------------------------------------------------------ */
 
+/* What a wait hands the thread that runs it, in registers: rank r's words to thread r < nranks,
+ * the group's status (EPX_ERR_BROKEN when this rank stopped) to thread 0. The same words and
+ * status land in this rank's state (got, aborted, group_status) for later kernels; a caller
+ * that goes on in the same block reads them here, a round trip sooner. */
+typedef struct {
+  epxc_words_t words;
+  int32_t status;
+} epxc_met_t;
+
 /* Thread r < R compares rank r's post with rank 0's: the lowest rank whose phase tag, call
  * number or operation differs (ex_step), else whose handle differs (ex_handle), else whose
  * digest differs (ex_differ). */
@@ -169,8 +178,8 @@ static __device__ void compare_posts(const uint64_t *tag, const epxc_stamp_t *st
  * (EPX_ERR_OUT_OF_STEP), and digests that differ give EPX_ERR_CONFIG_MISMATCH. A wait that
  * runs out decides with its peers whether the late ranks count (give_up_or_not), and a post
  * whose poster gave up on this exchange fails this rank. Call from every thread of one block.
- * Returns false when this rank must stop. */
-static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t epoch) {
+ * Returns false when this rank must stop; met (see epxc_met_t) may be NULL. */
+static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t epoch, epxc_met_t *met) {
   EX_TRACE_DECL;
   EX_TRACE();
   epxc_state_t *me = g->state[g->rank];
@@ -185,6 +194,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
     ex_late = 0;
     ex_step = ex_handle = ex_differ = R;
   }
+  if (met && r == 0) met->status = EPX_ERR_BROKEN;
   __syncthreads();
   if (!epoch) return false;
   /* Threads past R point at slot 0 and never use it: never a null pointer, which nvcc 13.0
@@ -217,6 +227,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
     ex_stamp[r] = stamp;
     ex_status[r] = (int32_t)words.status;
     me->got[r] = words;
+    if (met) met->words = words;
   }
   if (!ok && r == 0) ex_failed = 1;
   __syncthreads();
@@ -245,6 +256,7 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
       me->aborted = 1;
     else
       me->group_status = status;
+    if (met && !ex_failed) met->status = status;
     __threadfence();
   }
   EX_TRACE(); /* 5: thread 0 decided */
@@ -261,8 +273,8 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
  * it takes its group as a __grid_constant__ parameter: passing the address of a plain one
  * makes every thread copy the 1 KB group to local memory first. */
 static __device__ __noinline__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                      const epxc_stamp_t stamp) {
-  return exchange_wait(g, phase, exchange_post(g, phase, words, stamp));
+                                                   const epxc_stamp_t stamp, epxc_met_t *met) {
+  return exchange_wait(g, phase, exchange_post(g, phase, words, stamp), met);
 }
 
 #endif

@@ -303,6 +303,7 @@ static __device__ int64_t apply_budget(const epxc_shape_t *s, int32_t *local) {
   __shared__ int64_t dropped;
   if (threadIdx.x == 0) {
     int64_t used = 0, lost = 0;
+#pragma unroll 1
     for (int l = 0; l < L && B > 0; l++) { /* a prefix over the experts: one thread, and only with a budget */
       const int64_t want = local[l], room = B - used > 0 ? (B - used) / align * align : 0;
       const int64_t keep = want < room ? want : room;
@@ -323,15 +324,16 @@ static __host__ __device__ size_t finish_smem_bytes(int R, int E) {
   return sizeof(int64_t) * (L + 1) + sizeof(int32_t) * ((size_t)R * R + (size_t)L * R + R + E + L);
 }
 
-/* After the exchange of plan pointers (notify words): every rank's send side as this rank reads
- * it, then the receive side, from every rank's counts. The counts are read once, by all the
+/* After the exchange of plan pointers (met: thread r < R holds rank r's notify words, thread 0
+ * the group's status): every rank's send side as this rank reads it, then the receive side,
+ * from every rank's counts. The counts are read once, by all the
  * threads at once, into shared memory, from the copies the ranks posted
  * (epxc_state_t.notify_counts: a peer already in its next notify rewrites its plan's, not
  * those); every sum over ranks, experts and rows is then a block scan in shared memory, and
  * the plan's arrays are written once at the end: a few round trips in all. */
-static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, epxc_plan_t *plan, void *smem) {
+static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, const epxc_met_t *met,
+                                    epxc_plan_t *plan, void *smem) {
   const epxc_shape_t s = *sp;
-  const epxc_state_t *st = g->state[g->rank];
   const int R = s.nranks, L = s.num_local, E = s.num_experts, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
   __shared__ int stop;
   __shared__ const int32_t *posted[EPX_MAX_RANKS];
@@ -344,7 +346,7 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   int64_t *const pair_base = plan->pair_base, *const block_out = plan->block, *const pair_send_base = plan->pair_send_base;
   int32_t *const pairs_local = plan->pairs_local, *const kept = plan->kept;
   if (tid == 0) {
-    const int status = st->aborted ? EPX_ERR_BROKEN : st->group_status;
+    const int status = met->status;
     plan->group_status = status;
     if (status) plan->num_recv = plan->num_rows = plan->num_pairs = 0;
     stop = status != EPX_SUCCESS;
@@ -352,23 +354,29 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   __syncthreads();
   if (stop) return; /* the payloads may then be an earlier exchange's: nothing of them is read */
   if (tid < R) {
-    peer_view(g, tid, st->got[tid].notify.plan, &plan->peer[tid]);
-    posted[tid] = (const int32_t *)peer_ptr(g, tid, st->got[tid].notify.counts);
+    peer_view(g, tid, met->words.notify.plan, &plan->peer[tid]);
+    posted[tid] = (const int32_t *)peer_ptr(g, tid, met->words.notify.counts);
   }
   __syncthreads();
+#pragma unroll 1
   for (int i = tid; i < R * R; i += nt) tokens[i] = posted[i / R][i % R];
+#pragma unroll 1
   for (int i = tid; i < L * R; i += nt) pairs[i] = posted[i % R][R + me * L + i / R];
+#pragma unroll 1
   for (int i = tid; i < R + E; i += nt) own[i] = posted[me][i];
   __syncthreads();
   if (tid < R) {
     int64_t tb = 0, db = 0;
+#pragma unroll 1
     for (int q = 0; q < tid; q++) tb += tokens[q * R + me];
+#pragma unroll 1
     for (int q = 0; q < me; q++) db += tokens[q * R + tid];
     plan->tok_base[tid] = tb;
     plan->dest_base[tid] = db;
   }
   for (int l = tid; l < L; l += nt) {
     int32_t n = 0;
+#pragma unroll 1
     for (int q = 0; q < R; q++) n += pairs[l * R + q];
     local[l] = n;
   }
@@ -382,6 +390,7 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   const int64_t pairs_sent = block_scan(own + R, E, 1, pair_send_base);
   if (tid == 0) {
     int64_t recv = 0;
+#pragma unroll 1
     for (int q = 0; q < R; q++) recv += tokens[q * R + me];
     const int64_t all_rows = s.ll ? (int64_t)L * R * s.max_tokens : rows;
     block_out[L] = all_rows;
@@ -400,6 +409,7 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   for (int i = tid; i < L * R; i += nt) {
     const int l = i / R, q = i % R;
     int64_t base = 0;
+#pragma unroll 1
     for (int p = 0; p < q; p++) base += pairs[l * R + p];
     pair_base[i] = block[l] + base;
     if (kept) {
@@ -453,10 +463,11 @@ static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
   words.notify.plan = (uint64_t)(uintptr_t)plan;
   words.notify.num_tokens = (uint64_t)r.num_tokens;
   words.notify.counts = (uint64_t)(uintptr_t)posted_counts;
-  exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp);
+  epxc_met_t met;
+  exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp, &met);
   if (threadIdx.x == 0) st->notifies = nth + 1;
   NOTIFY_TRACE(); /* 4: met the peers */
-  finish_block(&s, &g, plan, notify_smem);
+  finish_block(&s, &g, &met, plan, notify_smem);
   NOTIFY_TRACE(); /* 5: receive side */
   NOTIFY_TRACE_PRINT();
 }

@@ -68,6 +68,17 @@ static __host__ __device__ __forceinline__ size_t route_smem(int R, int E, int K
   return bitmap_smem(R, E, max_tokens) + bytes <= EPXC_LL_SMEM_MAX ? bytes : 0;
 }
 
+/* Where the dispatch keeps the routing (route_shared), after the bitmaps: slot k of token t
+ * has its weight at w[t * K + k] and its expert at e[t * K + k]. */
+typedef struct {
+  float *w;
+  int16_t *e;
+} ll_slots_t;
+static __device__ __forceinline__ ll_slots_t slots_of(const epxc_shape_t *s, int W, const uint32_t *bits) {
+  float *const w = (float *)(bits + (int64_t)(s->num_experts + s->nranks) * W);
+  return (ll_slots_t){w, (int16_t *)(w + (int64_t)s->topk * s->max_tokens)};
+}
+
 static __device__ __forceinline__ ll_geom_t geom_of(const epxc_shape_t *s) {
   ll_geom_t g;
   g.y = epxc_ll_layout(s->num_local, s->topk, s->max_tokens, s->hidden);
@@ -90,6 +101,9 @@ static __device__ __forceinline__ int64_t ll_warp(void) {
   const int64_t order = blockIdx.x == 0 ? gridDim.x - 1 : blockIdx.x - 1;
   return order * (blockDim.x / EPXC_WARP) + threadIdx.x / EPXC_WARP;
 }
+
+/* Whether this block comes first in that order (block 1, or block 0 when it is alone). */
+static __device__ __forceinline__ bool ll_first_block(void) { return blockIdx.x == (gridDim.x > 1 ? 1 : 0); }
 
 /* A step has fewer rows than the launch has warps: rows that one warp would move alone
  * are cut into slices of whole 256-channel chunks (so fp8 blocks of 128 stay whole), as many
@@ -265,9 +279,10 @@ static __device__ bool meet(const epxc_group_t *g, int phase, uint64_t epoch, in
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) wait_local(g, &st->post[epoch & 1][g->rank].flag, epoch, phase);
     __syncthreads();
-    const bool met = exchange_wait(g, phase, epoch);
-    if (threadIdx.x == 0) go = met && st->group_status == EPX_SUCCESS;
-    if (threadIdx.x < g->nranks) parity[threadIdx.x] = (int)st->got[threadIdx.x].ll.parity;
+    epxc_met_t m;
+    const bool met = exchange_wait(g, phase, epoch, &m);
+    if (threadIdx.x == 0) go = met && m.status == EPX_SUCCESS;
+    if (threadIdx.x < g->nranks) parity[threadIdx.x] = (int)m.words.ll.parity;
     release_all(st, epoch);
     __syncthreads();
     return go;
@@ -342,11 +357,10 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
       continue;
     }
     if (gm->route_shared) {
-      float *route_w = (float *)(bits + (int64_t)(E + s->nranks) * W);
-      int16_t *route_e = (int16_t *)(route_w + (int64_t)K * s->max_tokens);
+      const ll_slots_t slots = slots_of(s, W, bits);
 #pragma unroll
       for (int k = 0; k < EPXC_MAX_TOPK; k++)
-        if (k < K) route_w[t * K + k] = ws[k], route_e[t * K + k] = (int16_t)ids[k];
+        if (k < K) slots.w[t * K + k] = ws[k], slots.e[t * K + k] = (int16_t)ids[k];
     }
     const uint32_t bit = 1u << (t & 31);
 #pragma unroll
@@ -406,9 +420,8 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
   int e = -1;
   float wt = 0.0f;
   if (gm->route_shared) { /* as plan_shared left it */
-    const float *route_w = (const float *)(bits + (int64_t)(s->num_experts + R) * gm->W);
-    const int16_t *route_e = (const int16_t *)(route_w + (int64_t)K * s->max_tokens);
-    if (lane < K) e = route_e[t * K + lane], wt = route_w[t * K + lane];
+    const ll_slots_t slots = slots_of(s, gm->W, bits);
+    if (lane < K) e = slots.e[t * K + lane], wt = slots.w[t * K + lane];
   } else {
     int32_t ids[EPXC_MAX_TOPK];
     float ws[EPXC_MAX_TOPK];
@@ -460,7 +473,7 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
 static __device__ void place_shared(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int half,
                                     const epxc_dispatch_t *a, const int *parity, int32_t *base) {
   const int R = s->nranks, L = s->num_local;
-  const bool lead = blockIdx.x == (gridDim.x > 1 ? 1 : 0);
+  const bool lead = ll_first_block();
   for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
     const int l = i / R, q = i - l * R;
     base[i] = ((const int32_t *)(region_of(b->dispatch_inbox, gm->y.region, R, parity[q], q) + gm->y.counts))[l];
