@@ -5,7 +5,7 @@
 static __global__ void exchange_kernel(const __grid_constant__ epxc_group_t g, int phase, epxc_words_t words,
                                        epxc_stamp_t stamp, const int32_t *status_dev) {
   if (status_dev) words.status = (uint64_t)(uint32_t)*status_dev;
-  exchange_block(&g, phase, &words, stamp, NULL);
+  exchange_block(&g, phase, &words, stamp, next_epoch(&g), NULL);
 }
 
 extern "C" int epxc_exchange(const epxc_group_t *g, int phase, const epxc_words_t *words, const int32_t *status_dev,

@@ -30,10 +30,10 @@ static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "ev
 
 /* Posts this rank's words and the stamp of the call it opens (all zero: none) to every peer
  * as exchange `epoch` (0: this rank stopped earlier, nothing is posted). Call from every
- * thread of one block; the caller knows the epoch (exchange_post reads it, a low-latency
+ * thread of one block; the caller knows the epoch (next_epoch reads it, a low-latency
  * kernel read it at its start: nothing else on its stream moves it meanwhile). The stamp
  * comes by value: a kernel parameter whose address is taken is copied to local memory first. */
-static __device__ uint64_t exchange_post_at(const epxc_group_t *g, int phase, const epxc_words_t *words,
+static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
                                             const epxc_stamp_t stamp, uint64_t epoch) {
   EX_TRACE_DECL;
   EX_TRACE();
@@ -53,14 +53,14 @@ static __device__ uint64_t exchange_post_at(const epxc_group_t *g, int phase, co
   return epoch;
 }
 
-/* The same, the epoch read here: this rank's next, or 0 when it stopped earlier. */
-static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                         const epxc_stamp_t stamp) {
-  epxc_state_t *me = g->state[g->rank];
+/* This rank's next exchange epoch, or 0 when it stopped earlier (its state as thread 0 reads
+ * it now). Every thread of the block gets it. */
+static __device__ uint64_t next_epoch(const epxc_group_t *g) {
+  const epxc_state_t *me = g->state[g->rank];
   __shared__ uint64_t ex_epoch;
   if (threadIdx.x == 0) ex_epoch = me->aborted ? 0 : me->seq + 1;
   __syncthreads();
-  return exchange_post_at(g, phase, words, stamp, ex_epoch);
+  return ex_epoch;
 }
 
 /* Records a difference between rank 0's post and rank q's (see epxc_error_t.about): the phase
@@ -266,15 +266,16 @@ static __device__ bool exchange_wait(const epxc_group_t *g, int phase, uint64_t 
   return !ex_failed;
 }
 
-/* Out of line: with two copies of it inlined in one kernel (notify's, when it still closed with
- * a second exchange; nvcc 13.0, sm_90) threads past nranks loaded a mailbox flag at address 0
- * in the second (found with compute-sanitizer); a call per exchange costs nothing next to its
- * wait. A kernel that calls
- * it takes its group as a __grid_constant__ parameter: passing the address of a plain one
- * makes every thread copy the 1 KB group to local memory first. */
+/* A whole exchange, `epoch` as next_epoch gives it (a caller may read it sooner, beside other
+ * loads). Out of line: with two copies of it inlined in one kernel (notify's, when it still
+ * closed with a second exchange; nvcc 13.0, sm_90) threads past nranks loaded a mailbox flag
+ * at address 0 in the second (found with compute-sanitizer); a call per exchange costs nothing
+ * next to its wait. A kernel that calls it takes its group as a __grid_constant__ parameter:
+ * passing the address of a plain one makes every thread copy the 1 KB group to local memory
+ * first. */
 static __device__ __noinline__ bool exchange_block(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                                   const epxc_stamp_t stamp, epxc_met_t *met) {
-  return exchange_wait(g, phase, exchange_post(g, phase, words, stamp), met);
+                                                   const epxc_stamp_t stamp, uint64_t epoch, epxc_met_t *met) {
+  return exchange_wait(g, phase, exchange_post(g, phase, words, stamp, epoch), met);
 }
 
 #endif

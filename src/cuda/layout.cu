@@ -234,22 +234,38 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   return true;
 }
 
+/* What the block that finished last takes into its exchange: the plan's status and the
+ * exchange's epoch (next_epoch's), both read in the round trip that reads the build's first
+ * refused key. */
+typedef struct {
+  bool last;
+  int32_t status;
+  uint64_t epoch;
+} closing_t;
+
 /* Whether this block finished last (all the others' plan writes then visible to it, and
  * through its post to the peers); that block also resets the scan for the next launch. */
-static __device__ bool finished_last(epxc_plan_t *plan, epxc_scan_t *scan, uint64_t launch, int64_t T) {
+static __device__ closing_t finished_last(const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan,
+                                          uint64_t launch, int64_t T) {
+  __shared__ int32_t status;
+  __shared__ uint64_t epoch;
   const bool last = block_arrives_last(&scan->done);
   if (last && threadIdx.x == 0) {
-    const uint64_t bad = *(volatile uint64_t *)&scan->bad_key;
+    const epxc_state_t *me = g->state[g->rank];
+    const uint64_t bad = *(volatile uint64_t *)&scan->bad_key, seq = me->seq;
+    const int aborted = me->aborted; /* a ticket that timed out set it before it arrived */
+    status = plan_status(bad);
+    epoch = aborted ? 0 : seq + 1;
     plan->num_tokens = T;
     plan->refused = EPX_SUCCESS;
     plan->bad_key = bad;
-    plan->status = plan_status(bad);
+    plan->status = status;
     scan->bad_key = ~0ull;
     scan->ticket = 0;
     scan->epoch = launch;
   }
   __syncthreads();
-  return last;
+  return (closing_t){last, status, epoch};
 }
 
 /* Exclusive prefix sums of round_up(in[i], align), i < n, into starts (unless NULL), by the
@@ -337,6 +353,7 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   const int R = s.nranks, L = s.num_local, E = s.num_experts, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
   __shared__ int stop;
   __shared__ const int32_t *posted[EPX_MAX_RANKS];
+  __shared__ uint64_t plans[EPX_MAX_RANKS]; /* where each rank published its plan */
   int64_t *const block = (int64_t *)smem;              /* [l]: first row of local expert l's block */
   int32_t *const tokens = (int32_t *)(block + L + 1);  /* [q * R + d]: q's tokens for d */
   int32_t *const pairs = tokens + R * R;               /* [l * R + q]: q's pairs of local expert l */
@@ -354,10 +371,13 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   __syncthreads();
   if (stop) return; /* the payloads may then be an earlier exchange's: nothing of them is read */
   if (tid < R) {
-    peer_view(g, tid, met->words.notify.plan, &plan->peer[tid]);
+    plans[tid] = met->words.notify.plan;
     posted[tid] = (const int32_t *)peer_ptr(g, tid, met->words.notify.counts);
   }
   __syncthreads();
+  /* the block's last R threads read the peers' plans while the others read the counts: one
+     round trip for both */
+  if (tid >= nt - R) peer_view(g, nt - 1 - tid, plans[nt - 1 - tid], &plan->peer[nt - 1 - tid]);
 #pragma unroll 1
   for (int i = tid; i < R * R; i += nt) tokens[i] = posted[i / R][i % R];
 #pragma unroll 1
@@ -452,19 +472,19 @@ static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
     g.state[g.rank]->aborted = 1; /* this rank stops; the exchanges below post nothing */
   }
   NOTIFY_TRACE(); /* 2: scanned */
-  const bool closer = finished_last(plan, scan, launch, r.num_tokens);
+  const closing_t closing = finished_last(&g, plan, scan, launch, r.num_tokens);
   NOTIFY_TRACE(); /* 3: done */
-  if (!closer) {
+  if (!closing.last) {
     NOTIFY_TRACE_PRINT();
     return;
   }
   epxc_words_t words = {{0}};
-  words.notify.status = (uint64_t)(uint32_t)plan->status;
+  words.notify.status = (uint64_t)(uint32_t)closing.status;
   words.notify.plan = (uint64_t)(uintptr_t)plan;
   words.notify.num_tokens = (uint64_t)r.num_tokens;
   words.notify.counts = (uint64_t)(uintptr_t)posted_counts;
   epxc_met_t met;
-  exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp, &met);
+  exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp, closing.epoch, &met);
   if (threadIdx.x == 0) st->notifies = nth + 1;
   NOTIFY_TRACE(); /* 4: met the peers */
   finish_block(&s, &g, &met, plan, notify_smem);

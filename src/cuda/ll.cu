@@ -306,7 +306,7 @@ static __device__ uint64_t post_ll(const epxc_group_t *g, int phase, int32_t sta
   epxc_words_t w = {};
   w.ll.status = (uint64_t)(uint32_t)status;
   w.ll.parity = (uint64_t)half;
-  return exchange_post_at(g, phase, &w, stamp, epoch);
+  return exchange_post(g, phase, &w, stamp, epoch);
 }
 
 /* ---- dispatch: planning (every block) ------------------------------------------------------- */
