@@ -268,43 +268,77 @@ static __device__ closing_t finished_last(const epxc_group_t *g, epxc_plan_t *pl
   return (closing_t){last, status, epoch};
 }
 
-/* Exclusive prefix sums of round_up(in[i], align), i < n, into starts (unless NULL), by the
- * whole block in chunks of its size; returns the sum to every thread. */
-static __device__ int64_t block_scan(const int32_t *in, int n, int align, int64_t *starts) {
-  __shared__ int64_t warp_base[EPXC_NOTIFY_THREADS / EPXC_WARP];
-  __shared__ int64_t carry;
+/* One exclusive prefix sum for block_scans: of round_up(in[i], align), i < n, into starts
+ * (unless NULL). */
+typedef struct {
+  const int32_t *in;
+  int64_t *starts;
+  int n, align;
+} scan_job_t;
+
+#define EPXC_SCAN_JOBS 4
+static_assert(EPXC_NOTIFY_THREADS / EPXC_WARP <= EPXC_WARP, "one warp scans a job's warp sums");
+static_assert(EPXC_SCAN_JOBS <= EPXC_NOTIFY_THREADS / EPXC_WARP, "a warp for each job's warp sums");
+
+/* EPXC_SCAN_JOBS prefix sums at once, by the whole block in chunks of its size; the totals
+ * (job j's in totals[j]) go to every thread. The jobs' shuffles interleave and they share
+ * every barrier: the closing block runs this once, and four sums one after another cost it
+ * four chains of shuffles and barriers (about 1.2 us each). */
+static __device__ void block_scans(const scan_job_t *jobs, int64_t *totals) {
+  __shared__ int64_t warp_base[EPXC_SCAN_JOBS][EPXC_NOTIFY_THREADS / EPXC_WARP];
+  __shared__ int64_t carry[EPXC_SCAN_JOBS];
   const int lane = lane_id(), wid = threadIdx.x / EPXC_WARP, warps = blockDim.x / EPXC_WARP;
-  if (threadIdx.x == 0) carry = 0;
+  int n = 0;
+#pragma unroll
+  for (int j = 0; j < EPXC_SCAN_JOBS; j++) n = max(n, jobs[j].n);
+  if (threadIdx.x < EPXC_SCAN_JOBS) carry[threadIdx.x] = 0;
   __syncthreads();
   for (int base = 0; base < n; base += blockDim.x) {
     const int i = base + threadIdx.x;
-    const int64_t v = i < n ? ((int64_t)in[i] + align - 1) / align * align : 0;
-    int64_t inc = v;
-    for (int o = 1; o < EPXC_WARP; o <<= 1) {
-      const int64_t u = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= o) inc += u;
+    int64_t v[EPXC_SCAN_JOBS], inc[EPXC_SCAN_JOBS];
+#pragma unroll
+    for (int j = 0; j < EPXC_SCAN_JOBS; j++) {
+      const int64_t x = i < jobs[j].n ? jobs[j].in[i] : 0, a = jobs[j].align;
+      v[j] = a > 1 ? (x + a - 1) / a * a : x; /* a 64-bit division is a long routine: only where it rounds */
+      inc[j] = v[j];
     }
-    if (lane == EPXC_WARP - 1) warp_base[wid] = inc;
+#pragma unroll
+    for (int o = 1; o < EPXC_WARP; o <<= 1)
+#pragma unroll
+      for (int j = 0; j < EPXC_SCAN_JOBS; j++) {
+        const int64_t u = __shfl_up_sync(0xffffffffu, inc[j], o);
+        if (lane >= o) inc[j] += u;
+      }
+    if (lane == EPXC_WARP - 1)
+#pragma unroll
+      for (int j = 0; j < EPXC_SCAN_JOBS; j++) warp_base[j][wid] = inc[j];
     __syncthreads();
-    if (wid == 0) {
-      const int64_t x = lane < warps ? warp_base[lane] : 0;
+    if (wid < EPXC_SCAN_JOBS) { /* warp j: job j's warp sums, exclusive */
+      const int64_t x = lane < warps ? warp_base[wid][lane] : 0;
       int64_t xi = x;
+#pragma unroll
       for (int o = 1; o < EPXC_WARP; o <<= 1) {
         const int64_t u = __shfl_up_sync(0xffffffffu, xi, o);
         if (lane >= o) xi += u;
       }
-      if (lane < warps) warp_base[lane] = xi - x;
+      if (lane < warps) warp_base[wid][lane] = xi - x;
     }
     __syncthreads();
-    const int64_t before = carry + warp_base[wid] + inc - v;
-    if (i < n && starts) starts[i] = before;
+#pragma unroll
+    for (int j = 0; j < EPXC_SCAN_JOBS; j++) {
+      const int64_t before = carry[j] + warp_base[j][wid] + inc[j] - v[j];
+      if (i < jobs[j].n && jobs[j].starts) jobs[j].starts[i] = before;
+      inc[j] = before + v[j]; /* through this element */
+    }
     __syncthreads(); /* every thread has read carry */
-    if (threadIdx.x == blockDim.x - 1) carry = before + v;
+    if (threadIdx.x == blockDim.x - 1)
+#pragma unroll
+      for (int j = 0; j < EPXC_SCAN_JOBS; j++) carry[j] = inc[j];
     __syncthreads();
   }
-  const int64_t total = carry;
+#pragma unroll
+  for (int j = 0; j < EPXC_SCAN_JOBS; j++) totals[j] = carry[j];
   __syncthreads(); /* before a next call sets carry again */
-  return total;
 }
 
 /* This rank's receive budget over its local experts in ascending order (docs/design.md,
@@ -317,10 +351,11 @@ static __device__ int64_t apply_budget(const epxc_shape_t *s, int32_t *local) {
   const int L = s->num_local;
   const int64_t B = s->recv_budget, align = s->align;
   __shared__ int64_t dropped;
+  if (B <= 0) return 0; /* no budget (the same for every thread) */
   if (threadIdx.x == 0) {
     int64_t used = 0, lost = 0;
 #pragma unroll 1
-    for (int l = 0; l < L && B > 0; l++) { /* a prefix over the experts: one thread, and only with a budget */
+    for (int l = 0; l < L; l++) { /* a prefix over the experts: one thread */
       const int64_t want = local[l], room = B - used > 0 ? (B - used) / align * align : 0;
       const int64_t keep = want < room ? want : room;
       used += (keep + align - 1) / align * align;
@@ -342,11 +377,11 @@ static __host__ __device__ size_t finish_smem_bytes(int R, int E) {
 
 /* After the exchange of plan pointers (met: thread r < R holds rank r's notify words, thread 0
  * the group's status): every rank's send side as this rank reads it, then the receive side,
- * from every rank's counts. The counts are read once, by all the
- * threads at once, into shared memory, from the copies the ranks posted
- * (epxc_state_t.notify_counts: a peer already in its next notify rewrites its plan's, not
- * those); every sum over ranks, experts and rows is then a block scan in shared memory, and
- * the plan's arrays are written once at the end: a few round trips in all. */
+ * from every rank's counts. The counts are read once, by all the threads at once, into shared
+ * memory, from the copies the ranks posted (epxc_state_t.notify_counts: a peer already in its
+ * next notify rewrites its plan's, not those); every sum over ranks, experts and rows is then
+ * made in shared memory (the four prefix sums in one pass, block_scans), and the plan's arrays
+ * are written once at the end: a few round trips in all. */
 static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, const epxc_met_t *met,
                                     epxc_plan_t *plan, void *smem) {
   const epxc_shape_t s = *sp;
@@ -402,12 +437,16 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   }
   __syncthreads();
   const int64_t dropped = apply_budget(&s, local);
-  const int64_t rows = s.ll ? 0 : block_scan(local, L, s.align, block);
-  if (s.ll)
+  if (s.ll) /* fixed blocks; block_scans' barriers publish them */
     for (int l = tid; l < L; l += nt) block[l] = (int64_t)l * R * s.max_tokens;
-  const int64_t num_pairs = block_scan(local, L, 1, NULL);
-  const int64_t sent = block_scan(own, R, 1, plan->send_base);
-  const int64_t pairs_sent = block_scan(own + R, E, 1, pair_send_base);
+  /* the rows' blocks (but in low-latency mode), the pairs here, the copies and the pairs sent */
+  const scan_job_t jobs[EPXC_SCAN_JOBS] = {{local, block, s.ll ? 0 : L, s.align},
+                                           {local, NULL, L, 1},
+                                           {own, plan->send_base, R, 1},
+                                           {own + R, pair_send_base, E, 1}};
+  int64_t totals[EPXC_SCAN_JOBS];
+  block_scans(jobs, totals);
+  const int64_t rows = totals[0], num_pairs = totals[1], sent = totals[2], pairs_sent = totals[3];
   if (tid == 0) {
     int64_t recv = 0;
 #pragma unroll 1
