@@ -125,13 +125,14 @@ static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, cons
 
 /* A pass's `ncols` words of every row, from its columns in shared memory (cols[j * rows + row]
  * holds word w0 + j): the bits, and the prefix popcounts counted from this ticket's first
- * word (carry[row], advanced). A half-warp a row, a lane a word: a row's words go out as one
+ * word (carry[row], advanced), into the plan or, where pend is given, into pend[j * rows + row]
+ * (see scan_ticket). A half-warp a row, a lane a word: a row's words go out as one
  * run of 64 bytes, not as 16 stores each to a different row (which cost the store pipe a
  * sector per lane), and their prefix is a scan across the 16 lanes. */
 #define EPXC_PASS_LANES 16
 static_assert(EPXC_NOTIFY_THREADS / EPXC_WARP <= EPXC_PASS_LANES, "a pass's words are a half-warp's lanes");
 static __device__ void store_pass(const epxc_shape_t *s, epxc_plan_t *plan, const uint32_t *cols, int64_t w0,
-                                  int ncols, int32_t *carry) {
+                                  int ncols, int32_t *carry, int32_t *pend) {
   const int R = s->nranks, rows = R + s->num_experts, j = lane_id() % EPXC_PASS_LANES;
   const int half = threadIdx.x / EPXC_PASS_LANES, halves = blockDim.x / EPXC_PASS_LANES;
   const int64_t W = plan->words;
@@ -148,8 +149,12 @@ static __device__ void store_pass(const epxc_shape_t *s, epxc_plan_t *plan, cons
     const int32_t total = __shfl_sync(0xffffffffu, upto, EPXC_PASS_LANES - 1, EPXC_PASS_LANES);
     const int32_t c = row < rows ? carry[row] : 0;
     if (live) {
+      const int32_t pre = c + upto - __popc(word);
       plan_bits_row(plan, R, W, row)[w0 + j] = word;
-      plan_pre_row(plan, R, W, row)[w0 + j] = c + upto - __popc(word);
+      if (pend)
+        pend[j * rows + row] = pre;
+      else
+        plan_pre_row(plan, R, W, row)[w0 + j] = pre;
     }
     __syncwarp(); /* the row's lanes have read carry[row] */
     if (row < rows && j == 0) carry[row] = c + total;
@@ -157,37 +162,37 @@ static __device__ void store_pass(const epxc_shape_t *s, epxc_plan_t *plan, cons
 }
 
 /* This ticket's words, `ncols` at a time (a warp each): carry[row] ends as the ticket's popcount
- * of every row. */
+ * of every row. pend: NULL, or room for the ticket's prefix popcounts (see scan_ticket). */
 static __device__ void build_ticket(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_route_t *r,
                                     epxc_scan_t *scan, int64_t first, int64_t last, int ncols, uint32_t *cols,
-                                    int32_t *carry) {
+                                    int32_t *carry, int32_t *pend) {
   const int rows = s->nranks + s->num_experts, warp = threadIdx.x / EPXC_WARP;
   for (int row = threadIdx.x; row < rows; row += blockDim.x) carry[row] = 0;
   for (int64_t w0 = first; w0 < last; w0 += ncols) {
     const int n = last - w0 < ncols ? (int)(last - w0) : ncols;
     if (warp < n) build_word(s, plan, r, w0 + warp, cols + warp * rows, (unsigned long long *)&scan->bad_key);
     __syncthreads();
-    store_pass(s, plan, cols, w0, n, carry);
+    store_pass(s, plan, cols, w0, n, carry, pend ? pend + (w0 - first) * rows : NULL);
     __syncthreads();
   }
 }
 
 /* Publishes ticket i's popcounts, waits (bounded) for every earlier ticket's, and adds their sum
  * to this ticket's prefix popcounts; the last ticket writes the counts (the rows' totals), in
- * the plan and in the copy the peers read (posted_counts).
+ * the plan and in the copy the peers read (posted_counts). Where shared memory holds them, the
+ * ticket's prefix popcounts waited there (pend, [word, row]): they then go out once, whole,
+ * instead of being read back from the plan (a round trip) and written again.
  * Tickets before i were taken by blocks already running, which wait for none after them. */
 static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan,
                                    uint64_t launch, int i, int64_t first, int64_t last, int32_t *carry,
-                                   int32_t *off, int32_t *posted_counts) {
+                                   int32_t *off, const int32_t *pend, int32_t *posted_counts) {
   const int R = s->nranks, rows = R + s->num_experts, tid = threadIdx.x;
   uint64_t *ready = scan_ready(scan);
   int32_t *sums = scan_sums(scan, gridDim.x);
   for (int row = tid; row < rows; row += blockDim.x) sums[(int64_t)i * rows + row] = carry[row];
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    st_release(&ready[i], launch);
-  }
+  /* the barrier orders the block's sums before the release (as block_arrives_last's) */
+  if (tid == 0) st_release(&ready[i], launch);
   __shared__ int late;
   if (tid == 0) late = 0;
   __syncthreads();
@@ -217,6 +222,13 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
      before any is written back, so a pass costs one round trip for that many words */
   const int64_t W = plan->words;
   const int n = (int)(last - first), total = rows * n;
+  if (pend) {
+    for (int k = tid; k < total; k += blockDim.x) { /* a row's words side by side */
+      const int row = k / n, j = k - row * n;
+      plan_pre_row(plan, R, W, row)[first + j] = pend[j * rows + row] + off[row];
+    }
+    return true;
+  }
   for (int base = 0; i > 0 && base < total; base += EPXC_SCAN_BATCH * (int)blockDim.x) {
     int32_t *pre[EPXC_SCAN_BATCH];
     int32_t v[EPXC_SCAN_BATCH], add[EPXC_SCAN_BATCH];
@@ -484,7 +496,7 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
  * the receive side. */
 static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
     notify_kernel(epxc_shape_t s, const __grid_constant__ epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan,
-                  epxc_route_t r, epxc_stamp_t stamp, int ncols) {
+                  epxc_route_t r, epxc_stamp_t stamp, int ncols, bool keep_pre) {
   NOTIFY_TRACE_DECL;
   NOTIFY_TRACE(); /* 0: started */
   extern __shared__ __align__(16) uint32_t notify_smem[];
@@ -504,9 +516,11 @@ static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
   int32_t *const posted_counts = st->notify_counts[nth & 1];
   const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
   const int64_t first = ticket_first(used, gridDim.x, ticket), last = ticket_first(used, gridDim.x, ticket + 1);
-  build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry);
+  int32_t *const pend = keep_pre ? off + rows : NULL; /* [words, rows]: the ticket's prefix popcounts */
+  build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry, pend);
   NOTIFY_TRACE(); /* 1: built */
-  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off, posted_counts) && threadIdx.x == 0) {
+  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off, pend, posted_counts) &&
+      threadIdx.x == 0) {
     record_error(&g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g.rank, (int64_t)(g.timeout_ns / 1000000));
     g.state[g.rank]->aborted = 1; /* this rank stops; the exchanges below post nothing */
   }
@@ -540,12 +554,18 @@ static int notify_columns(int rows) {
 extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
                            const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream) {
   const int rows = s->nranks + s->num_experts, ncols = notify_columns(rows);
-  const size_t build = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows,
-               finish = finish_smem_bytes(s->nranks, s->num_experts), smem = build > finish ? build : finish;
-  /* finish's need is largest at one rank with EPX_MAX_EXPERTS experts: 82 KB, within EPXC_NOTIFY_SMEM */
   /* a ticket's look-back gives each earlier ticket a thread: no more blocks than threads */
   const int blocks = s->num_sms < EPXC_NOTIFY_THREADS ? s->num_sms : EPXC_NOTIFY_THREADS;
-  notify_kernel<<<blocks, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp, ncols);
+  /* a ticket's prefix popcounts wait in shared memory for its scan where they fit (scan_ticket) */
+  const int64_t used = (r->num_tokens + EPXC_WARP - 1) / EPXC_WARP, per = (used + blocks - 1) / blocks;
+  const size_t words = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows,
+               pend = sizeof(int32_t) * (size_t)per * rows;
+  const bool keep_pre = words + pend <= EPXC_NOTIFY_SMEM;
+  const size_t build = words + (keep_pre ? pend : 0), finish = finish_smem_bytes(s->nranks, s->num_experts),
+               smem = build > finish ? build : finish;
+  /* finish's need is largest at one rank with EPX_MAX_EXPERTS experts: 82 KB, within EPXC_NOTIFY_SMEM */
+  notify_kernel<<<blocks, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp, ncols,
+                                                                               keep_pre);
   return (int)cudaGetLastError();
 }
 
