@@ -1,7 +1,8 @@
 /* The CUDA backend against the host backend, bit for bit: dispatch outputs in both layouts
  * and low-latency mode, combine, and both backward passes, over fresh random routings; later
  * tables add skewed routings, special values (NaN payloads, infinities, -0.0, subnormals) in
- * every input, receive budgets and decode steps.
+ * every input, receive budgets, decode steps, the combine's row sizes and a notify whose scan
+ * does not fit shared memory.
  *   test_cuda_match               every case of the table
  *   test_cuda_match --list        prints the cases with their indices, runs nothing
  *   test_cuda_match 0,4 15-17     only the cases selected by index: comma-separated indices
@@ -142,6 +143,13 @@ static const extra_t sums[] = {
     {{8, 256, 8, 7168, 1024, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .num_sms = 2},
 };
 
+/* Notify's sizes, after the combine's: a ticket whose prefix popcounts do not fit its shared
+ * memory (8 ranks of 8192 tokens, 256 experts, 2 SMs: 128 bitmap words a ticket, 135 KB of
+ * popcounts), so they go into the plan and come back for the scan. */
+static const extra_t notify_sizes[] = {
+    {{8, 256, 8, 128, 8192, HT, EXP, 128, BF, BF, TU_FORM_TOPK32, 0, 1}, .num_sms = 2},
+};
+
 #define COUNT(t) ((int)(sizeof t / sizeof *t))
 #define NTABLE COUNT(cases)
 /* The tables after the first, in the order of their indices. */
@@ -153,9 +161,11 @@ static const struct {
               {budgeted, COUNT(budgeted)},
               {decode, COUNT(decode)},
               {staged, COUNT(staged)},
-              {sums, COUNT(sums)}};
-#define NCASES \
-  (NTABLE + COUNT(skewed) + COUNT(special) + COUNT(budgeted) + COUNT(decode) + COUNT(staged) + COUNT(sums))
+              {sums, COUNT(sums)},
+              {notify_sizes, COUNT(notify_sizes)}};
+#define NCASES                                                                                      \
+  (NTABLE + COUNT(skewed) + COUNT(special) + COUNT(budgeted) + COUNT(decode) + COUNT(staged) + COUNT(sums) + \
+   COUNT(notify_sizes))
 
 /* Case i, 0 <= i < NCASES. */
 static gu_case_t case_of(int i) {
