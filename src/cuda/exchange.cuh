@@ -34,7 +34,7 @@ static_assert(sizeof(epxc_words_t) == sizeof(uint64_t) * EPXC_PAYLOAD_WORDS, "ev
  * kernel read it at its start: nothing else on its stream moves it meanwhile). The stamp
  * comes by value: a kernel parameter whose address is taken is copied to local memory first. */
 static __device__ uint64_t exchange_post(const epxc_group_t *g, int phase, const epxc_words_t *words,
-                                            const epxc_stamp_t stamp, uint64_t epoch) {
+                                         const epxc_stamp_t stamp, uint64_t epoch) {
   EX_TRACE_DECL;
   EX_TRACE();
   const int r = threadIdx.x;
@@ -143,10 +143,11 @@ static __device__ bool peer_kept(const epxc_group_t *g, const volatile epxc_slot
 
 /* ---- the wait ------------------------------------------------------------------------------ */
 
-/* What a wait hands the thread that runs it, in registers: rank r's words to thread r < nranks,
- * the group's status (EPX_ERR_BROKEN when this rank stopped) to thread 0. The same words and
- * status land in this rank's state (got, aborted, group_status) for later kernels; a caller
- * that goes on in the same block reads them here, a round trip sooner. */
+/* What a wait hands the thread that runs it, in registers: the group's status (EPX_ERR_BROKEN
+ * when this rank stopped) to thread 0 and, when the wait returns true, rank r's words to thread
+ * r < nranks. The same words and status land in this rank's state (got, aborted, group_status)
+ * for later kernels; a caller that goes on in the same block reads them here, a round trip
+ * sooner. */
 typedef struct {
   epxc_words_t words;
   int32_t status;
