@@ -46,6 +46,9 @@ typedef struct {
 typedef struct {
   bench_opts_t o;
   double ms[PH_COUNT];      /* median over iterations */
+  /* each rank's part of a phase, medians over iterations: when it started after the phase's
+     first rank (shared clock; 0 otherwise) and its own time, start to end */
+  double rank_start_ms[PH_COUNT][EPX_MAX_RANKS], rank_own_ms[PH_COUNT][EPX_MAX_RANKS];
   double memory[PH_COUNT];  /* bytes the phase must read plus write, all ranks */
   double link[PH_COUNT];    /* bytes that cross between ranks */
   double sm_copy_bw;        /* CUDA: the best copy kernel's bytes read + written per SM-second, 0 elsewhere */

@@ -119,6 +119,14 @@ static void jphase(FILE *out, const char *phase, const char *what, double v) {
   jnum(out, k, v);
 }
 
+static void jarray(FILE *out, const char *phase, const char *what, const double *v, int n) {
+  char k[64];
+  snprintf(k, sizeof k, "%s_%s", phase, what);
+  jkey(out, k);
+  for (int i = 0; i < n; i++) fprintf(out, "%c%.6g", i ? ',' : '[', v[i]);
+  fputc(']', out);
+}
+
 static void json_shape(FILE *out, const bench_env_t *env, const bench_opts_t *o) {
   fprintf(out, "\"backend\":");
   jstr_raw(out, epx_backend_name(env->backend));
@@ -138,6 +146,10 @@ static void json_run(FILE *out, const bench_env_t *env, const bench_result_t *r)
   for (int ph = 0; ph < PH_COUNT; ph++) {
     const char *n = ph == PH_STANDIN ? "standin_experts" : bench_phase_names[ph];
     jphase(out, n, "ms", r->ms[ph]);
+    if (r->o.ranks > 1) {
+      jarray(out, n, "rank_start_ms", r->rank_start_ms[ph], r->o.ranks);
+      jarray(out, n, "rank_own_ms", r->rank_own_ms[ph], r->o.ranks);
+    }
     if (ph == PH_STANDIN) continue;
     jphase(out, n, "link_bytes", r->link[ph]), jphase(out, n, "memory_bytes", r->memory[ph]);
     jphase(out, n, "floor_ms", floor_ms(env, r, ph));

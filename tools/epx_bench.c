@@ -385,6 +385,30 @@ static double phase_ms(const bench_t *b, int ph) {
   return m;
 }
 
+/* Each rank's start (after the phase's first) and own time in phase ph, medians over iterations:
+ * which rank a phase waits for, and whether it is slow or only late. */
+static void rank_phases(const bench_t *b, int ph, double *start, double *own) {
+  const int n = b->o.iters;
+  double *v = malloc(sizeof(double) * n), *w = malloc(sizeof(double) * n);
+  for (int r = 0; r < b->o.ranks; r++) {
+    for (int it = 0; it < n; it++) {
+      double first = 1e300;
+      for (int q = 0; q < b->o.ranks; q++) {
+        const double s = b->stamp[((size_t)q * n + it) * (PH_COUNT + 1) + ph];
+        if (s < first) first = s;
+      }
+      const double *e = b->stamp + ((size_t)r * n + it) * (PH_COUNT + 1);
+      v[it] = b->shared_clock ? e[ph] - first : 0.0;
+      w[it] = e[ph + 1] - e[ph];
+    }
+    qsort(v, n, sizeof(double), cmp_double);
+    qsort(w, n, sizeof(double), cmp_double);
+    start[r] = v[n / 2], own[r] = w[n / 2];
+  }
+  free(v);
+  free(w);
+}
+
 /* Receive sizes of every rank, from the routings. */
 static void count_sizes(bench_t *b) {
   const opts_t *o = &b->o;
@@ -560,7 +584,10 @@ static int run_once(const bench_env_t *env, const opts_t *o, bench_result_t *res
     if (b->error[r][0]) fprintf(stderr, "rank %d: %s\n", r, b->error[r]), rc = 1;
   if (!rc) {
     *res = (bench_result_t){.o = *o, .devices = devices, .shared_clock = b->shared_clock, .check = -1};
-    for (int ph = 0; ph < PH_COUNT; ph++) res->ms[ph] = phase_ms(b, ph);
+    for (int ph = 0; ph < PH_COUNT; ph++) {
+      res->ms[ph] = phase_ms(b, ph);
+      rank_phases(b, ph, res->rank_start_ms[ph], res->rank_own_ms[ph]);
+    }
     phase_bytes(b, res->memory, res->link);
     link_floors(b, res);
     for (int r = 0; r < o->ranks; r++) {

@@ -1,6 +1,7 @@
 """epx-bench as a user meets it: --json writes only JSON (every figure, the floors, the check,
-the machine, the command), the CPU report has no GPU lines, argument errors name the argument
-and its range, nothing asked for is silently replaced, --help goes to stdout."""
+the machine, the command, each rank's part of a phase), the CPU report has no GPU lines,
+argument errors name the argument and its range, nothing asked for is silently replaced,
+--help goes to stdout."""
 
 import json
 import os
@@ -35,6 +36,20 @@ def test_json_only_on_stdout(json_arg):
     # the floor is the bytes over the copy bandwidth, as the table says
     assert run["dispatch_floor_ms"] == pytest.approx(run["dispatch_memory_bytes"] / (run["copy_gbps"] * 1e9) * 1e3,
                                                      rel=1e-3)
+
+
+def test_json_ranks_parts():
+    # one iteration, so each figure is that iteration's: the phase runs from its last rank's
+    # start to its last rank's end, and every rank's start and own time give both
+    out = bench(*SMALL, "--iters", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    run = json.loads(out.stdout)
+    for phase in ("layout", "notify", "dispatch", "combine"):
+        start, own = run[f"{phase}_rank_start_ms"], run[f"{phase}_rank_own_ms"]
+        assert len(start) == len(own) == run["ranks"]
+        assert min(start) == 0 and all(t > 0 for t in own)
+        ends = [s + t for s, t in zip(start, own)]
+        assert max(ends) - max(start) == pytest.approx(run[f"{phase}_ms"], rel=1e-4, abs=1e-6), phase
 
 
 def test_json_file_and_sweep(tmp_path):
