@@ -11,7 +11,7 @@
 #   the bench shapes (2 SMs a rank where the SMs bind, then 16) on another build,
 #   EPX_GPU_BUILD_BASE (a build, or a folder holding only a library), and this one, alternating
 #   (EPX_COMPARE_SHAPES picks shapes, EPX_COMPARE_ROUNDS repeats them), and prints new / base
-#   and GB/s per SM per phase; megatron runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
+#   and GB/s per SM per phase (compare.txt; every run's JSON in compare.jsonl); megatron runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
 #   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
 #   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
 #   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
@@ -225,9 +225,9 @@ if asked compare && [ -n "${EPX_GPU_BUILD_BASE:-}" ]; then
       run "compare-new-$i-$k" env CUDA_VISIBLE_DEVICES=${first%%,*} "$build/epx-bench" --backend cuda --json ${shapes[$i]}
     done
   done
-  python3 - "$logs" "$rounds" $pick <<'PY' | tee "$out/compare.txt"
+  python3 - "$logs" "$rounds" "$out/compare.jsonl" $pick <<'PY' | tee "$out/compare.txt"
 import json, statistics, sys
-logs, rounds, picked = sys.argv[1], int(sys.argv[2]), [int(i) for i in sys.argv[3:]]
+logs, rounds, keep, picked = sys.argv[1], int(sys.argv[2]), sys.argv[3], [int(i) for i in sys.argv[4:]]
 def run(name):
     try:
         for line in open(f"{logs}/{name}.log"):
@@ -238,6 +238,12 @@ def run(name):
 def span(v, fmt):
     return fmt % v[0] if len(v) == 1 else (fmt + "-" + fmt) % (min(v), max(v))
 print(f"{'shape':44} {'phase':9} {'base ms':>15} {'new ms':>15} {'new/base':>8} {'GB/s/SM base':>12} {'new':>6}")
+with open(keep, "w") as f:  # every run's whole JSON (each rank's part of a phase too), tagged
+    for i in picked:
+        for k in range(rounds):
+            for side in ("base", "new"):
+                r = run(f"compare-{side}-{i}-{k}")
+                if r: f.write(json.dumps({"compare": side, "shape": i, "round": k, **r}) + "\n")
 for i in picked:
     bs = [r for r in (run(f"compare-base-{i}-{k}") for k in range(rounds)) if r]
     cs = [r for r in (run(f"compare-new-{i}-{k}") for k in range(rounds)) if r]
