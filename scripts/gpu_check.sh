@@ -11,8 +11,9 @@
 #   the bench shapes (2 SMs a rank where the SMs bind, then 16) on another build,
 #   EPX_GPU_BUILD_BASE (a build, or a folder holding only a library), and this one, alternating
 #   (EPX_COMPARE_SHAPES picks shapes, EPX_COMPARE_ROUNDS repeats them), and prints new / base
-#   and GB/s per SM per phase (compare.txt; every run's JSON in compare.jsonl); megatron runs Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the
-#   carried wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
+#   and GB/s per SM per phase (compare.txt; every run's JSON in compare.jsonl); megatron runs
+#   Megatron-core's MoELayer on epx's CUDA backend, installing megatron-core from the carried
+#   wheelhouse/ where this Python lacks it; profile runs Nsight Compute over the
 #   high-throughput kernels and notify and sums each up with tools/ncu_hotspots.py; trace runs
 #   the trace build of the library (src/cuda/trace.cuh) over notify's and the low-latency
 #   shapes and sums up their phase times with tools/trace_phases.py; reads runs epx-sm-reads, how
