@@ -239,15 +239,13 @@ def run(name):
 def span(v, fmt):
     return fmt % v[0] if len(v) == 1 else (fmt + "-" + fmt) % (min(v), max(v))
 print(f"{'shape':44} {'phase':9} {'base ms':>15} {'new ms':>15} {'new/base':>8} {'GB/s/SM base':>12} {'new':>6}")
+runs = {(side, i, k): run(f"compare-{side}-{i}-{k}") for side in ("base", "new") for i in picked for k in range(rounds)}
 with open(keep, "w") as f:  # every run's whole JSON (each rank's part of a phase too), tagged
-    for i in picked:
-        for k in range(rounds):
-            for side in ("base", "new"):
-                r = run(f"compare-{side}-{i}-{k}")
-                if r: f.write(json.dumps({"compare": side, "shape": i, "round": k, **r}) + "\n")
+    for (side, i, k), r in runs.items():
+        if r: f.write(json.dumps({"compare": side, "shape": i, "round": k, **r}) + "\n")
 for i in picked:
-    bs = [r for r in (run(f"compare-base-{i}-{k}") for k in range(rounds)) if r]
-    cs = [r for r in (run(f"compare-new-{i}-{k}") for k in range(rounds)) if r]
+    bs = [r for r in (runs["base", i, k] for k in range(rounds)) if r]
+    cs = [r for r in (runs["new", i, k] for k in range(rounds)) if r]
     if not bs or not cs:
         print(f"shape {i}: no result"); continue
     c = cs[0]
