@@ -107,8 +107,10 @@ static __device__ epxc_error_t *claim_error(const epxc_group_t *g, int status) {
   return NULL;
 }
 
-/* Records this rank's failure where the host and every peer can see it (see claim_error). */
-static __device__ void record_error(const epxc_group_t *g, int status, int phase, int peer, int64_t detail) {
+/* Records this rank's failure where the host and every peer can see it (see claim_error). Out
+ * of line: a path that fails only, kept out of the code a decode step fetches as it runs. */
+static __device__ __noinline__ void record_error(const epxc_group_t *g, int status, int phase, int peer,
+                                                 int64_t detail) {
   epxc_error_t *e = claim_error(g, status);
   if (!e) return;
   e->phase = phase;

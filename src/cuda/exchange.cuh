@@ -65,8 +65,8 @@ static __device__ uint64_t next_epoch(const epxc_group_t *g) {
 
 /* Records a difference between rank 0's post and rank q's (see epxc_error_t.about): the phase
  * tag or stamp words 0, 1 (EPX_ERR_OUT_OF_STEP), or the digest (EPX_ERR_CONFIG_MISMATCH). */
-static __device__ void record_stamp_error(const epxc_group_t *g, int status, int phase, int q, const uint64_t *tag,
-                                          const epxc_stamp_t *stamp) {
+static __device__ __noinline__ void record_stamp_error(const epxc_group_t *g, int status, int phase, int q,
+                                                       const uint64_t *tag, const epxc_stamp_t *stamp) {
   epxc_error_t *e = claim_error(g, status);
   if (!e) return;
   const epxc_stamp_t *a = &stamp[0], *b = &stamp[q];
