@@ -298,6 +298,7 @@ static __global__ void __launch_bounds__(EPXC_BULK_WARPS * EPXC_WARP) dispatch_b
 /* Expert layout, on the destination: partial[n] = round(sum over local experts ascending of
  * w * y[row]), one per arrived token. (Reading its rows through the lanes' rings, ring.cuh,
  * was measured at half this kernel's speed.) */
+template <epx_dtype_t Y>
 static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epxc_shape_t s, epxc_group_t g,
                                                                             const epxc_plan_t *plan, epxc_combine_t a) {
   if (plan_void(&g, plan) || plan->refused) return;
@@ -317,7 +318,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epx
     for (int64_t t = warp_global(); t < T; t += warp_count()) {
       if (!bit_set(bits, t)) continue;
       const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
-      partial_of_token(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, a.y_dtype, n, H), 0, H);
+      partial_of_token<Y>(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, Y, n, H), 0, H);
     }
   }
 }
@@ -365,8 +366,11 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_token_kernel(epxc_
   }
 }
 
-/* The sums on the source, by element types (float32 or bf16 each). */
+/* The partials by their element type, the sums on the source by theirs (float32 or bf16 each). */
 typedef void (*combine_kernel_t)(epxc_shape_t, epxc_group_t, const epxc_plan_t *, epxc_combine_t);
+static combine_kernel_t partials_of(epx_dtype_t y) {
+  return y == EPX_FLOAT32 ? partials_token_kernel<EPX_FLOAT32> : partials_token_kernel<EPX_BFLOAT16>;
+}
 static combine_kernel_t reduce_token_of(epx_dtype_t y, epx_dtype_t out) {
   if (y == EPX_FLOAT32) return out == EPX_FLOAT32 ? reduce_token_kernel<EPX_FLOAT32, EPX_FLOAT32> : reduce_token_kernel<EPX_FLOAT32, EPX_BFLOAT16>;
   return out == EPX_FLOAT32 ? reduce_token_kernel<EPX_BFLOAT16, EPX_FLOAT32> : reduce_token_kernel<EPX_BFLOAT16, EPX_BFLOAT16>;
@@ -427,7 +431,7 @@ extern "C" int epxc_dispatch(const epxc_shape_t *s, const epxc_group_t *g, const
 
 extern "C" int epxc_combine_partials(const epxc_shape_t *s, const epxc_group_t *g, const epxc_plan_t *plan_dev,
                                      const epxc_combine_t *a, void *stream) {
-  partials_token_kernel<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
+  partials_of(a->y_dtype)<<<s->num_sms, EPXC_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, plan_dev, *a);
   return (int)cudaGetLastError();
 }
 
@@ -464,7 +468,8 @@ extern "C" int epxc_preload_ht(size_t *stack) {
       (const void *)dispatch_raw,
       (const void *)dispatch_convert_of(EPX_FLOAT32),
       (const void *)dispatch_convert_of(EPX_BFLOAT16),
-      (const void *)partials_token_kernel,
+      (const void *)partials_of(EPX_FLOAT32),
+      (const void *)partials_of(EPX_BFLOAT16),
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_FLOAT32),
       (const void *)reduce_token_of(EPX_FLOAT32, EPX_BFLOAT16),
       (const void *)reduce_token_of(EPX_BFLOAT16, EPX_FLOAT32),
