@@ -215,6 +215,22 @@ static __device__ bool output_fits(const epxc_shape_t *s, const epxc_group_t *g,
  * constant types it folds to them, and a bf16 load takes 4 registers rather than a float32's
  * 8: four bf16 rows ahead then fit a 1024-thread block's 64 registers (EPXC_AHEAD). */
 #define EPXC_AHEAD(in) ((in) == EPX_BFLOAT16 ? 4 : 2)
+
+/* reduce_rows_ahead's sum, one channel a lane from vec_end on: the channels past the last whole
+ * 8-channel group (float32 rows whose width is not a multiple of 8). */
+static __device__ __forceinline__ void reduce_rows_tail(const void *const *rows, const float *w, int m,
+                                                        epx_dtype_t in_dtype, void *out, epx_dtype_t out_dtype,
+                                                        int64_t vec_end, int hidden) {
+  for (int64_t c = vec_end + lane_id(); c < hidden; c += EPXC_WARP) {
+    float acc = 0.0f;
+    for (int j = 0; j < m; j++) {
+      const float v = load1(rows[j], in_dtype, c);
+      acc = __fadd_rn(acc, w ? __fmul_rn(w[j], v) : v);
+    }
+    store1(out, out_dtype, c, acc);
+  }
+}
+
 template <int AHEAD>
 static __device__ __forceinline__ void reduce_rows_ahead(const void *const *rows, const float *w, int m,
                                                          epx_dtype_t in_dtype, void *out, epx_dtype_t out_dtype,
@@ -253,14 +269,7 @@ static __device__ __forceinline__ void reduce_rows_ahead(const void *const *rows
     store8(out, out_dtype, c0, acc[0]);
     if (second) store8(out, out_dtype, c0 + EPXC_CHUNK_CHANNELS, acc[1]);
   }
-  for (int64_t c = vec_end + lane; c < hidden; c += EPXC_WARP) {
-    float acc = 0.0f;
-    for (int j = 0; j < m; j++) {
-      const float v = load1(rows[j], in_dtype, c);
-      acc = __fadd_rn(acc, w ? __fmul_rn(w[j], v) : v);
-    }
-    store1(out, out_dtype, c, acc);
-  }
+  reduce_rows_tail(rows, w, m, in_dtype, out, out_dtype, vec_end, hidden);
 }
 
 /* Two rows ahead, the types known at run time: the low-latency kernels' blocks must stay small. */
@@ -325,12 +334,7 @@ static __device__ __forceinline__ void reduce_few(const void *const *rows, const
   for (; c0 + (CH - 1) * EPXC_CHUNK_CHANNELS < vec_end; c0 += CH * EPXC_CHUNK_CHANNELS)
     few_groups<Y, N, CH>(rows, w, out, c0);
   for (; c0 < vec_end; c0 += EPXC_CHUNK_CHANNELS) few_groups<Y, N, 1>(rows, w, out, c0);
-  for (int64_t c = vec_end + lane; c < hidden; c += EPXC_WARP) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < N; j++) acc = __fadd_rn(acc, __fmul_rn(w[j], load1(rows[j], Y, c)));
-    store1(out, Y, c, acc);
-  }
+  reduce_rows_tail(rows, w, N, Y, out, Y, vec_end, hidden);
 }
 
 /* Channels [c, c + width) of token t of src_rank's partial (out points at its channel c): its
