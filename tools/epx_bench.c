@@ -54,6 +54,11 @@ typedef struct {
   epx_node_traffic_t traffic[EPX_MAX_RANKS]; /* of each rank's last iteration */
 } bench_t;
 
+/* Rank r's event times in iteration it: [PH_COUNT + 1], ms (see bench_t.stamp). */
+static double *stamps_of(const bench_t *b, int r, int it) {
+  return b->stamp + ((size_t)r * b->o.iters + it) * (PH_COUNT + 1);
+}
+
 /* Waits until every rank arrives (0), or a rank failed or 120 s passed (-1). */
 static int meet(bench_t *b, int fail) {
   pthread_mutex_lock(&b->lock);
@@ -333,8 +338,7 @@ static epx_status_t run_rank(int rank, void *arg) {
     if (rank == 0) progress(b, it);
     if (it >= 0)
       for (int i = 0; i <= PH_COUNT; i++)
-        b->stamp[((size_t)rank * o->iters + it) * (PH_COUNT + 1) + i] =
-            dev->elapsed_ms(b->shared_clock ? b->origin : l.ev[0], l.ev[i]);
+        stamps_of(b, rank, it)[i] = dev->elapsed_ms(b->shared_clock ? b->origin : l.ev[0], l.ev[i]);
   }
   TRY(b, rank, epx_handle_node_traffic(l.handle, &b->traffic[rank]));
   dev->download(counts_host, counts, sizeof(int32_t) * L);
@@ -365,6 +369,12 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* The median of v[0..n), which it sorts. */
+static double median(double *v, int n) {
+  qsort(v, n, sizeof(double), cmp_double);
+  return v[n / 2];
+}
+
 /* Median over iterations, in ms, of the phase from its last rank's start to its last rank's
  * end (shared clock), or of the slowest rank's own time. */
 static double phase_ms(const bench_t *b, int ph) {
@@ -372,15 +382,14 @@ static double phase_ms(const bench_t *b, int ph) {
   for (int it = 0; it < b->o.iters; it++) {
     double start = -1e300, end = -1e300, own = 0;
     for (int r = 0; r < b->o.ranks; r++) {
-      const double *e = b->stamp + ((size_t)r * b->o.iters + it) * (PH_COUNT + 1);
+      const double *e = stamps_of(b, r, it);
       if (e[ph] > start) start = e[ph];
       if (e[ph + 1] > end) end = e[ph + 1];
       if (e[ph + 1] - e[ph] > own) own = e[ph + 1] - e[ph];
     }
     v[it] = b->shared_clock ? end - start : own;
   }
-  qsort(v, b->o.iters, sizeof(double), cmp_double);
-  double m = v[b->o.iters / 2];
+  const double m = median(v, b->o.iters);
   free(v);
   return m;
 }
@@ -393,17 +402,12 @@ static void rank_phases(const bench_t *b, int ph, double *start, double *own) {
   for (int r = 0; r < b->o.ranks; r++) {
     for (int it = 0; it < n; it++) {
       double first = 1e300;
-      for (int q = 0; q < b->o.ranks; q++) {
-        const double s = b->stamp[((size_t)q * n + it) * (PH_COUNT + 1) + ph];
-        if (s < first) first = s;
-      }
-      const double *e = b->stamp + ((size_t)r * n + it) * (PH_COUNT + 1);
+      for (int q = 0; q < b->o.ranks; q++) first = fmin(first, stamps_of(b, q, it)[ph]);
+      const double *e = stamps_of(b, r, it);
       v[it] = b->shared_clock ? e[ph] - first : 0.0;
       w[it] = e[ph + 1] - e[ph];
     }
-    qsort(v, n, sizeof(double), cmp_double);
-    qsort(w, n, sizeof(double), cmp_double);
-    start[r] = v[n / 2], own[r] = w[n / 2];
+    start[r] = median(v, n), own[r] = median(w, n);
   }
   free(v);
   free(w);
