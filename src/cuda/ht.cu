@@ -310,6 +310,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epx
     return;
   }
   const int R = s.nranks, me = s.rank, H = s.hidden;
+  __shared__ warp_rows_t lists[EPXC_WARPS];
   for (int src_rank = 0; src_rank < R; src_rank++) {
     const epxc_peer_t *src = &plan->peer[src_rank];
     const int64_t T = src->num_tokens, W = src->words;
@@ -318,7 +319,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) partials_token_kernel(epx
     for (int64_t t = warp_global(); t < T; t += warp_count()) {
       if (!bit_set(bits, t)) continue;
       const int64_t n = plan->tok_base[src_rank] + bit_rank(bits, pre, t);
-      partial_of_token<Y>(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, Y, n, H), 0, H);
+      partial_of_token<Y>(&s, plan, src_rank, src, t, &a, row_at_mut(a.partials, Y, n, H), 0, H, warp_rows_of(lists));
     }
   }
 }
@@ -351,17 +352,16 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_token_kernel(epxc_
   const int H = s.hidden, lane = lane_id();
   const int64_t T = plan->num_tokens;
   static_assert(EPX_MAX_RANKS <= 2 * EPXC_WARP, "a lane looks up at most two destinations");
+  __shared__ warp_rows_t lists[EPXC_WARPS];
+  warp_rows_t *list = warp_rows_of(lists);
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
     bool in_lo, in_hi;
     const void *lo = source_row_of<Y>(&s, &g, plan, &a, t, lane, &in_lo);
     const void *hi = source_row_of<Y>(&s, &g, plan, &a, t, lane + EPXC_WARP, &in_hi);
-    const void *rows[EPXC_MAX_TOPK];
-    int m = 0; /* ascending destinations: the contract's order */
-    for (unsigned rest = __ballot_sync(0xffffffffu, in_lo); rest; rest &= rest - 1)
-      rows[m++] = (const void *)__shfl_sync(0xffffffffu, (uintptr_t)lo, __ffs(rest) - 1);
-    for (unsigned rest = __ballot_sync(0xffffffffu, in_hi); rest; rest &= rest - 1)
-      rows[m++] = (const void *)__shfl_sync(0xffffffffu, (uintptr_t)hi, __ffs(rest) - 1);
-    reduce_rows_ahead<EPXC_AHEAD(Y)>(rows, NULL, m, Y, row_at_mut(a.out, OUT, t, H), OUT, H);
+    __syncwarp();
+    const int m = append_rows(list, append_rows(list, 0, in_lo, lo), in_hi, hi); /* ascending destinations */
+    __syncwarp();
+    reduce_rows_ahead<EPXC_AHEAD(Y)>(list->row, NULL, m, Y, row_at_mut(a.out, OUT, t, H), OUT, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }

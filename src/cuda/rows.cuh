@@ -272,6 +272,29 @@ static __device__ __forceinline__ void reduce_rows_ahead(const void *const *rows
   reduce_rows_tail(rows, w, m, in_dtype, out, out_dtype, vec_end, hidden);
 }
 
+/* The rows a warp sums and their weights, listed in shared memory for reduce_rows: every
+ * 8-channel group of the sum reads them again. From a local array those reads went to L1, where
+ * the rows streaming through evicted them, so each group first waited on L2 for its addresses
+ * (the token layout's sums at 8 ranks, 2 SMs a rank: 79 GB/s per SM from a local array, 97
+ * from shared memory). A kernel keeps one list per warp; the warp fills it between two
+ * __syncwarp, the first so that its previous sum has read the list. */
+typedef struct {
+  const void *row[EPXC_MAX_TOPK];
+  float w[EPXC_MAX_TOPK];
+} warp_rows_t;
+
+static __device__ __forceinline__ warp_rows_t *warp_rows_of(warp_rows_t *lists) {
+  return &lists[threadIdx.x / EPXC_WARP];
+}
+
+/* The lanes with in set append their row p to the list of m rows, in lane order; returns the
+ * new count (the whole warp calls). */
+static __device__ __forceinline__ int append_rows(warp_rows_t *list, int m, bool in, const void *p) {
+  const unsigned set = __ballot_sync(0xffffffffu, in);
+  if (in) list->row[m + __popc(set & ((1u << lane_id()) - 1u))] = p;
+  return m + __popc(set);
+}
+
 /* Two rows ahead, the types known at run time: the low-latency kernels' blocks must stay small. */
 static __device__ void reduce_rows(const void *const *rows, const float *w, int m, epx_dtype_t in_dtype, void *out,
                                    epx_dtype_t out_dtype, int hidden) {
@@ -319,11 +342,11 @@ static __device__ __forceinline__ void few_groups(const void *const *rows, const
   }
 }
 
-/* reduce_rows' weighted sum of N rows, N (1 or 2) and the type Y fixed at compile time: the
- * rows' addresses and weights stay in registers for the whole row, and a lane keeps 4 bf16
- * (2 float32) 16-byte loads in flight whatever N is. Most tokens bring one or two rows to a
- * rank (1.5 at 8 ranks of 256 experts, top-8); there reduce_rows' loop, which takes any number
- * of rows of types known at run time and reads their addresses from local memory, issues 202
+/* reduce_rows' weighted sum of N rows, N (1 to 4) and the type Y fixed at compile time: the
+ * rows' addresses and weights stay in registers for the whole row, and a lane keeps at least 4
+ * bf16 (2 float32) 16-byte loads in flight whatever N is. Most tokens bring one to four rows
+ * to a rank (1.5 on average at 8 ranks of 256 experts, top-8; 4 at 2 ranks); there
+ * reduce_rows' loop, which takes any number of rows of types known at run time, issues 202
  * instructions for two 8-channel groups of two rows, where this issues 125. */
 template <epx_dtype_t Y, int N>
 static __device__ __forceinline__ void reduce_few(const void *const *rows, const float *w, void *out, int hidden) {
@@ -343,25 +366,27 @@ static __device__ __forceinline__ void reduce_few(const void *const *rows, const
 template <epx_dtype_t Y>
 static __device__ void partial_of_token(const epxc_shape_t *s, const epxc_plan_t *plan, int src_rank,
                                         const epxc_peer_t *src, int64_t t, const epxc_combine_t *a, void *out,
-                                        int64_t c, int width) {
-  float w[EPXC_MAX_TOPK], my_w;
-  const void *rows[EPXC_MAX_TOPK], *my_row;
+                                        int64_t c, int width, warp_rows_t *list) {
+  const void *my_row;
+  float my_w;
   const int m = partial_row_lanes(s, plan, src_rank, src, t, a, c, &my_row, &my_w);
-  if (m == 1 || m == 2) {
-    const void *few[2] = {lane_ptr(my_row, 0), lane_ptr(my_row, 1)};
-    const float few_w[2] = {__shfl_sync(0xffffffffu, my_w, 0), __shfl_sync(0xffffffffu, my_w, 1)};
-    if (m == 1)
-      reduce_few<Y, 1>(few, few_w, out, width);
-    else
-      reduce_few<Y, 2>(few, few_w, out, width);
-    return;
+  if (m >= 1 && m <= 4) {
+    const void *few[4];
+    float few_w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) few[j] = lane_ptr(my_row, j), few_w[j] = __shfl_sync(0xffffffffu, my_w, j);
+    switch (m) {
+    case 1: reduce_few<Y, 1>(few, few_w, out, width); return;
+    case 2: reduce_few<Y, 2>(few, few_w, out, width); return;
+    case 3: reduce_few<Y, 3>(few, few_w, out, width); return;
+    default: reduce_few<Y, 4>(few, few_w, out, width); return;
+    }
   }
-  for (int j = 0; j < m; j++) {
-    rows[j] = lane_ptr(my_row, j);
-    w[j] = __shfl_sync(0xffffffffu, my_w, j);
-  }
+  __syncwarp();
+  if (lane_id() < m) list->row[lane_id()] = my_row, list->w[lane_id()] = my_w;
+  __syncwarp();
   /* the type as a run-time value: given Y, the compiler unrolls this sum for 16 rows and spills */
-  reduce_rows(rows, w, m, a->y_dtype, out, a->y_dtype, width);
+  reduce_rows(list->row, list->w, m, a->y_dtype, out, a->y_dtype, width);
 }
 
 /* Source side of a combine: the weight gradient of token t's slot k, from the row gradients
