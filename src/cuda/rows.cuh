@@ -275,8 +275,8 @@ static __device__ __forceinline__ void reduce_rows_ahead(const void *const *rows
 /* The rows a warp sums and their weights, listed in shared memory for reduce_rows: every
  * 8-channel group of the sum reads them again. From a local array those reads went to L1, where
  * the rows streaming through evicted them, so each group first waited on L2 for its addresses
- * (the token layout's sums at 8 ranks, 2 SMs a rank: 79 GB/s per SM from a local array, 97
- * from shared memory). A kernel keeps one list per warp; the warp fills it between two
+ * (the token layout's sums at 8 ranks, 2 SMs a rank: 79-80 GB/s per SM from a local array,
+ * 93 from this list on an H100). A kernel keeps one list per warp; the warp fills it between two
  * __syncwarp, the first so that its previous sum has read the list. */
 typedef struct {
   const void *row[EPXC_MAX_TOPK];
