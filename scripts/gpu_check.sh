@@ -80,7 +80,11 @@ pytest_with_stacks() {
       local py
       py=$(pgrep -n -f 'python3 -m pytest')
       if [ -n "$dbg" ] && [ -n "$py" ]; then
-        timeout 60 "$dbg" -p "$py" -batch -ex 'info threads' -ex 'thread apply all bt 25' >"$out/stall-stacks.txt" 2>&1
+        # symbols of libc, the CUDA driver and runtime and libepx only (the Python stacks name the
+        # torch calls): reading every library's took long enough that the stalled test had ended
+        timeout 60 "$dbg" -p "$py" -batch -iex 'set auto-solib-add off' -ex 'sharedlibrary libc\.' \
+          -ex 'sharedlibrary libcuda' -ex 'sharedlibrary libcudart' -ex 'sharedlibrary libepx' \
+          -ex 'info threads' -ex 'thread apply all bt 25' >"$out/stall-stacks.txt" 2>&1
       else
         echo "a test stalled; no debugger here for its native stacks" >"$out/stall-stacks.txt"
       fi
