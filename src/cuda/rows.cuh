@@ -343,8 +343,9 @@ static __device__ __forceinline__ void few_groups(const void *const *rows, const
 }
 
 /* reduce_rows' weighted sum of N rows, N (1 to 4) and the type Y fixed at compile time: the
- * rows' addresses and weights stay in registers for the whole row, and a lane keeps at least 4
- * bf16 (2 float32) 16-byte loads in flight whatever N is. Most tokens bring one to four rows
+ * rows' addresses and weights stay in registers for the whole row, and a lane keeps N x CH
+ * 16-byte loads in flight, CH = LOADS / N groups at once (at least 1; LOADS 4 for bf16, 2 for
+ * float32: 4 bf16 loads for one, two or four rows, 3 for three). Most tokens bring one to four rows
  * to a rank (1.5 on average at 8 ranks of 256 experts, top-8; 4 at 2 ranks); there
  * reduce_rows' loop, which takes any number of rows of types known at run time, issues 202
  * instructions for two 8-channel groups of two rows, where this issues 125. */
