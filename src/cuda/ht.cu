@@ -352,16 +352,16 @@ static __global__ void __launch_bounds__(EPXC_THREADS) reduce_token_kernel(epxc_
   const int H = s.hidden, lane = lane_id();
   const int64_t T = plan->num_tokens;
   static_assert(EPX_MAX_RANKS <= 2 * EPXC_WARP, "a lane looks up at most two destinations");
-  __shared__ warp_rows_t lists[EPXC_WARPS];
-  warp_rows_t *list = warp_rows_of(lists);
+  __shared__ const void *warp_rows[EPXC_WARPS][EPXC_MAX_TOPK];
+  const void **rows = warp_rows[threadIdx.x / EPXC_WARP];
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
     bool in_lo, in_hi;
     const void *lo = source_row_of<Y>(&s, &g, plan, &a, t, lane, &in_lo);
     const void *hi = source_row_of<Y>(&s, &g, plan, &a, t, lane + EPXC_WARP, &in_hi);
+    __syncwarp(); /* the previous token's sum has read the rows */
+    const int m = append_rows(rows, append_rows(rows, 0, in_lo, lo), in_hi, hi); /* ascending destinations */
     __syncwarp();
-    const int m = append_rows(list, append_rows(list, 0, in_lo, lo), in_hi, hi); /* ascending destinations */
-    __syncwarp();
-    reduce_rows_ahead<EPXC_AHEAD(Y)>(list->row, NULL, m, Y, row_at_mut(a.out, OUT, t, H), OUT, H);
+    reduce_rows_ahead<EPXC_AHEAD(Y)>(rows, NULL, m, Y, row_at_mut(a.out, OUT, t, H), OUT, H);
     slot_weight_grad(&s, &g, plan, t, a.topk_weight_grad);
   }
 }

@@ -695,9 +695,7 @@ static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm,
     const int64_t t = x.t, row = x.row;
     float my_w = x.weight;
     if (lane < m) my_w = !a->weighted ? 1.0f : a->row_probs ? a->row_probs[row] : my_w;
-    __syncwarp();
-    if (lane < m) list->row[lane] = (const char *)a->y + slice_offset(a->y_dtype, row, H, c), list->w[lane] = my_w;
-    __syncwarp();
+    list_lane_rows(list, m, (const char *)a->y + slice_offset(a->y_dtype, row, H, c), my_w);
     char *out = region_of(to[x.q], gm->y.combine_region, R, half, s->rank);
     reduce_rows(list->row, list->w, m, a->y_dtype, out + slice_offset(a->y_dtype, t, H, c), a->y_dtype, w);
     if (c == 0 && lane < m && a->row_weight_grad)
@@ -724,7 +722,7 @@ static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, co
     for (int d0 = 0; d0 < R; d0 += EPXC_WARP) {
       const int d = d0 + lane;
       const bool in = d < R && bit_set(rank_bits + (int64_t)d * gm->W, t);
-      m = append_rows(list, m, in,
+      m = append_rows(list->row, m, in,
                       in ? region_of(b->combine_inbox, gm->y.combine_region, R, parity[d], d) +
                                slice_offset(a->y_dtype, t, H, c)
                          : NULL);
