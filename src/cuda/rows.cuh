@@ -272,12 +272,15 @@ static __device__ __forceinline__ void reduce_rows_ahead(const void *const *rows
   reduce_rows_tail(rows, w, m, in_dtype, out, out_dtype, vec_end, hidden);
 }
 
-/* The rows a warp sums and their weights, listed in shared memory for reduce_rows: every
- * 8-channel group of the sum reads them again. From a local array those reads went to L1, where
- * the rows streaming through evicted them, so each group first waited on L2 for its addresses
- * (the token layout's sums at 8 ranks, 2 SMs a rank: 79-80 GB/s per SM from a local array,
- * 93 from this list on an H100). A kernel keeps one list per warp; the warp fills it between two
- * __syncwarp, the first so that its previous sum has read the list. */
+/* The rows a warp sums, listed in shared memory for the high-throughput sums: every 8-channel
+ * group of a sum reads its rows' addresses again. From a local array those reads went to L1,
+ * where the rows streaming through evicted them, so each group first waited on L2 for its
+ * addresses (the token layout's sums at 8 ranks, 2 SMs a rank, on an H100: 79-80 GB/s per SM
+ * from a local array, 97 from a shared list). The token sums list addresses only, a plain
+ * array a warp (append_rows); the expert layout's partials of more than four rows list
+ * addresses and weights (warp_rows_t, list_lane_rows). A warp fills its list between two
+ * __syncwarp, the first so that its previous sum has read it. The low-latency combine keeps
+ * local arrays (ll.cu says why). */
 typedef struct {
   const void *row[EPXC_MAX_TOPK];
   float w[EPXC_MAX_TOPK];
@@ -289,8 +292,9 @@ static __device__ __forceinline__ warp_rows_t *warp_rows_of(warp_rows_t *lists) 
 
 /* The lanes with in set append their row p to the list of m rows, in lane order, one lane
  * after another; returns the new count (the whole warp calls). Lane by lane rather than each
- * lane at its prefix count: the token sums at 8 ranks, 2 SMs a rank, measured 97 GB/s per SM so
- * against 93 with the prefix count (H100), the sum's own SASS the same. */
+ * lane at its prefix count into a list with weights beside it: with the same summing loop, the
+ * token sums at 8 ranks, 2 SMs a rank, went from 93 to 97 GB/s per SM (H100; why was not
+ * isolated). */
 static __device__ __forceinline__ int append_rows(const void **rows, int m, bool in, const void *p) {
   for (unsigned rest = __ballot_sync(0xffffffffu, in); rest; rest &= rest - 1, m++)
     if (lane_id() == __ffs(rest) - 1) rows[m] = p;
