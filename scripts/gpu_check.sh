@@ -91,6 +91,11 @@ pytest_with_stacks() {
     fi
   done
   wait "$pid"
+  local rc=$?
+  # the stacks also at the end of the log (all.log): a caller that can take back only a few
+  # files from $out keeps them
+  [ $dumped = 1 ] && { echo "=== native stacks at the stall"; cat "$out/stall-stacks.txt"; } >>"$log"
+  return $rc
 }
 
 summary=()
