@@ -2,8 +2,9 @@
 # The whole GPU check in one go: builds (unless a carried build is there), runs the GPU tests
 # and the benchmarks, prints a summary table. Run it on a machine with an NVIDIA GPU:
 #   scripts/gpu_check.sh [tests] [bench] [nvlink] [scaling] [sweep] [nccl] [sanitize] [compare]
-#   [megatron] [profile] [trace] [reads] [all]   (default all, which leaves out sanitize,
-#   compare, megatron, profile, trace and reads; nvlink, scaling and nccl need 2+ GPUs;
+#   [megatron] [profile] [trace] [reads] [pytest] [all]   (default all, which leaves out sanitize,
+#   compare, megatron, profile, trace and reads; pytest is the GPU pytest alone, part of tests;
+#   nvlink, scaling and nccl need 2+ GPUs;
 #   scaling sweeps the SM budget; sweep runs epx-bench's token and SM sweeps and plots them
 #   (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of the nvlink shapes; sanitize
 #   runs compute-sanitizer memcheck over test_cuda_graph ht and ll and a subset of
@@ -88,6 +89,17 @@ pytest_with_stacks() {
       else
         echo "a test stalled; no debugger here for its native stacks" >"$out/stall-stacks.txt"
       fi
+      # each thread's state and system call (a thread in the driver sits in ioctl, 16 on
+      # x86-64; one spinning in user space is R with no call): readable without a debugger
+      [ -n "$py" ] && for t in /proc/"$py"/task/*; do
+        echo "task ${t##*/} $(cat "$t/comm" 2>/dev/null) state $(awk '{print $3}' "$t/stat" 2>/dev/null)" \
+          "syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null) wchan $(cat "$t/wchan" 2>/dev/null)"
+      done >>"$out/stall-stacks.txt"
+      # where the stall lasts: the same once more 5 s later
+      sleep 5
+      [ -n "$py" ] && for t in /proc/"$py"/task/*; do
+        echo "later: task ${t##*/} state $(awk '{print $3}' "$t/stat" 2>/dev/null) syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
+      done >>"$out/stall-stacks.txt"
     fi
   done
   wait "$pid"
@@ -127,12 +139,16 @@ if want tests; then
     first=${CUDA_VISIBLE_DEVICES:-0}
     run test_cuda_mp_one_gpu env CUDA_VISIBLE_DEVICES=${first%%,*} timeout 240 "$build/tests/gpu/test_cuda_mp"
   fi
-  # the Python package on CUDA tensors (torch), against the CPU backend and dense references
-  # faulthandler prints every thread's Python stack when a test runs past 12 s (none should:
-  # the collectives' timeout is 20 s); pytest_with_stacks adds the native stacks
+fi
+# the Python package on CUDA tensors (torch), against the CPU backend and dense references
+# (also alone: 'pytest'). faulthandler prints every thread's Python stack when a test runs past
+# 12 s (none should: the collectives' timeout is 20 s); pytest_with_stacks adds the native stacks
+if want tests || asked pytest; then
   run pytest-gpu bash -c "$(declare -f pytest_with_stacks); out=$out; pytest_with_stacks $logs/pytest-gpu.raw \
     env EPX_LIBRARY=$PWD/$build/libepx.so EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -p no:cacheprovider \
     -o faulthandler_timeout=12 -m 'gpu and not megatron' tests/python; rc=\$?; cat $logs/pytest-gpu.raw; exit \$rc"
+fi
+if want tests; then
   run example-prefill-decode env EPX_LIBRARY="$PWD/$build/libepx.so" PYTHONPATH=python timeout 120 python3 examples/prefill_decode.py
 fi
 
