@@ -529,6 +529,46 @@ def test_cuda_flex_dispatcher_train_then_decode(apply_in_combine):
 
 @gpu
 @pytest.mark.gpu
+def test_cuda_host_reads_while_a_peer_waits():
+    """Ranks' first reads of CUDA values to the host, made while a peer waits for them inside a
+    low-latency dispatch, do not stall the group: torch takes each read's page-locked block from
+    its host cache, which World.run filled before the ranks started (from an empty cache it
+    would allocate one, an implicit synchronization that waits for the peer's kernel)."""
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host_cache is None:
+        pytest.skip("this torch cannot empty its host cache")
+    xs, idxs, ws = make_inputs(60, R, E, HG, K, [M] * R)
+    torch.cuda.synchronize()
+    empty_host_cache()
+    made = threading.Barrier(R)
+
+    def rank(world, r):
+        dev = torch.device("cuda", 0)
+        with world.comm(r, **CFG_GPU) as comm, comm.handle("ll") as h:
+            x = torch.tensor(xs[r], device=dev).to(torch.bfloat16)
+            i, w = torch.tensor(idxs[r], device=dev), torch.tensor(ws[r], device=dev)
+            torch.cuda.current_stream(dev).synchronize()
+            made.wait()
+            reads = None
+            if r > 0:
+                time.sleep(0.2)  # rank 0's dispatch is waiting for this rank by now
+                reads = (int(i.sum()), bool((i >= 0).all()), int((w > 0).sum()))
+            res = h.dispatch(x, i, w)
+            counts = res.tokens_per_local_expert.cpu()
+            comm.synchronize()
+            return reads, counts
+
+    with epx.World(R, backend="cuda", devices=[0] * R) as world:
+        got = world.run(lambda r: rank(world, r))
+    for r, (reads, counts) in enumerate(got):
+        if r > 0:
+            assert reads == (int(idxs[r].sum()), bool((idxs[r] >= 0).all()), int((ws[r] > 0).sum()))
+        want = [sum(int((idxs[q] == r * L + l).sum()) for q in range(R)) for l in range(L)]
+        assert counts.tolist() == want, f"rank {r}"
+
+
+@gpu
+@pytest.mark.gpu
 def test_cuda_graph_low_latency_decode():
     """A decode step (LL dispatch, expert, combine) captured in a CUDA graph per rank and
     replayed with new routings written into the static inputs."""

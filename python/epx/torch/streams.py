@@ -79,6 +79,9 @@ def on_rank_streams(world, fn: Callable[..., Any], streams: Optional[Sequence[An
     return body
 
 
+_PINNED_SIZES = 21  # page-locked block sizes prepare leaves in torch's host cache: 1 B to 1 MiB
+
+
 def prepare(dev, stream) -> None:
     """Does torch's first-use work for this rank before its first collective, while no rank is
     inside one: fills torch's caching allocator for the rank's stream, and runs one backward
@@ -95,7 +98,11 @@ def prepare(dev, stream) -> None:
     run while peers were inside a collective, stalled the group until the timeout on an H200
     (the step inside torch that does it was not isolated; done here, it is out of the way).
     A copy each way between pageable host memory and the GPU makes the driver set up its
-    pinned staging memory now: a page-locked allocation is an implicit synchronization too."""
+    pinned staging memory now: a page-locked allocation is an implicit synchronization too.
+    torch reads a CUDA tensor's value to the host (``.item()``, ``int(t)``, ``bool(t)``) through
+    a page-locked block from its host cache, allocating one (cudaHostAlloc) where none of that
+    size is free: each rank leaves two blocks of every size up to 1 MiB there (EPX_TORCH_RESERVE_MB
+    = 0 leaves none either)."""
     mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
     if mb > 0:
         try:
@@ -105,6 +112,8 @@ def prepare(dev, stream) -> None:
             _raise(Status.OUT_OF_MEMORY, f"reserving torch memory for a rank that shares {dev} ({mb} MiB, "
                                          f"EPX_TORCH_RESERVE_MB; 0 reserves none): {e}")
         del big, small
+        held = [torch.empty(1 << i, dtype=torch.uint8, pin_memory=True) for i in range(_PINNED_SIZES) for _ in range(2)]
+        del held
     w = torch.ones(8, device=dev, requires_grad=True)
     (w * 2).sum().backward()
     torch.ones(1 << 20, dtype=torch.uint8).to(dev).cpu()
