@@ -152,7 +152,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_staged_kernel(ep
   token_at_t cur = {-1, 0};
   bool more = next_token_here(&s, plan, &cur);
   staged_row_t row = staged_row_of(&s, &g, &cur, more);
-  if (lead) staged_load_ahead(w, &ring, &row, NULL, s.hidden);
+  for (int i = 0; lead && i < EPXC_STAGED_IN; i++) staged_load_next(w, &ring, &row, NULL, s.hidden);
   while (more) {
     token_at_t at = cur;
     const bool then = next_token_here(&s, plan, &at);
@@ -163,7 +163,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_staged_kernel(ep
     staged_set_dests(w, m, dst, dscale);
     for (int k = 0; k < row.chunks; k++) {
       staged_convert_next(w, &ring, s.hidden, k, m);
-      if (lead) staged_load_ahead(w, &ring, &row, &next, s.hidden);
+      if (lead) staged_load_next(w, &ring, &row, &next, s.hidden);
     }
     cur = at, more = then, row = next;
   }

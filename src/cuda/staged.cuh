@@ -74,6 +74,15 @@ static __device__ __forceinline__ uint32_t lane_amax_bf16(const uint32_t *w) {
   return bits;
 }
 
+/* Stores to global memory through pointers the compiler sees only as generic ones (the warp's
+ * table in shared memory): STG, where a plain store would be a generic ST. */
+static __device__ __forceinline__ void st_global_v2(void *p, uint2 v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(__cvta_generic_to_global(p)), "r"(v.x), "r"(v.y) : "memory");
+}
+static __device__ __forceinline__ void st_global_f32(float *p, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "f"(v) : "memory");
+}
+
 /* 8 bf16 channels (4 words) times f, as 8 e4m3 bytes. */
 static __device__ __forceinline__ uint2 quantise_piece(const uint32_t *w, float f) {
   float x[8];
@@ -131,19 +140,20 @@ static __device__ __forceinline__ void quantise_chunk(const staged_warp_t *w, co
     for (int p = 0; p < 2; p++) q[u][p] = quantise_piece(&v[u][4 * p], f);
   }
   const size_t at = (size_t)k * EPXC_STAGED_CHUNK + c0;
-  for (int j = 0; j < m; j++) {
+  const int b = unit * (EPXC_STAGED_BLOCKS / 2) + g; /* the block whose scale this lane holds */
+  const bool scales = (lane & 6) == 2 && (FULL || b * EPX_FP8_BLOCK < valid);
+  const int sat = k * EPXC_STAGED_BLOCKS + b;
+  for (int j = 0; j < m; j++) { /* the scales in the same loop: one loop's set-up a chunk, not two */
     uint8_t *row = w->dst[j] + at;
 #pragma unroll
     for (int u = 0; u < 2; u++)
 #pragma unroll
       for (int p = 0; p < 2; p++) {
         const int off = u * EPXC_STAGED_UNIT + p * (EPX_FP8_BLOCK / 2);
-        if (FULL || c0 + off < valid) *(uint2 *)(row + off) = q[u][p];
+        if (FULL || c0 + off < valid) st_global_v2(row + off, q[u][p]);
       }
+    if (scales) st_global_f32(w->dscale[j] + sat, r);
   }
-  const int b = unit * (EPXC_STAGED_BLOCKS / 2) + g; /* the block whose scale this lane holds */
-  if ((lane & 6) == 2 && (FULL || b * EPX_FP8_BLOCK < valid))
-    for (int j = 0; j < m; j++) w->dscale[j][k * EPXC_STAGED_BLOCKS + b] = r;
 }
 
 /* ---- a warp's stream of chunks --------------------------------------------------------------- */
@@ -164,25 +174,22 @@ static __device__ __forceinline__ int staged_valid(int hidden, int k) {
   return min(EPXC_STAGED_CHUNK, hidden - k * EPXC_STAGED_CHUNK);
 }
 
-/* Lane 0: loads ahead until EPXC_STAGED_IN chunks are in flight, the current row's first and
- * then the next one's (nxt NULL: none). A stage is loaded only once the warp has read it. */
-static __device__ __forceinline__ void staged_load_ahead(staged_warp_t *w, staged_ring_t *r, staged_row_t *cur,
-                                                         staged_row_t *nxt, int hidden) {
-  while (r->loaded - r->converted < EPXC_STAGED_IN) {
-    const uint16_t *src;
-    int k;
-    if (cur->issued < cur->chunks)
-      src = cur->src, k = cur->issued++;
-    else if (nxt && nxt->issued < nxt->chunks)
-      src = nxt->src, k = nxt->issued++;
-    else
-      return;
-    const int s = r->loaded % EPXC_STAGED_IN;
-    const uint32_t bytes = (uint32_t)staged_valid(hidden, k) * 2;
-    mbar_expect(&w->full[s], bytes);
-    bulk_load(w->in[s], src + (size_t)k * EPXC_STAGED_CHUNK, bytes, &w->full[s]);
-    r->loaded++;
-  }
+/* Lane 0: one chunk's load, the current row's next or else the next row's first (nxt NULL or
+ * done: none), into the stage the warp has just read. Called once before each of the first
+ * EPXC_STAGED_IN chunks and once after each chunk, it keeps EPXC_STAGED_IN in flight as long as
+ * a row has that many chunks (ht_staged: rows of more than one chunk), and never fewer than one:
+ * the chunk the warp waits for next has always been issued. */
+static __device__ __forceinline__ void staged_load_next(staged_warp_t *w, staged_ring_t *r, staged_row_t *cur,
+                                                        staged_row_t *nxt, int hidden) {
+  const bool here = cur->issued < cur->chunks;
+  if (!here && (!nxt || nxt->issued >= nxt->chunks)) return;
+  const uint16_t *src = here ? cur->src : nxt->src;
+  const int k = here ? cur->issued++ : nxt->issued++;
+  const int s = r->loaded % EPXC_STAGED_IN;
+  const uint32_t bytes = (uint32_t)staged_valid(hidden, k) * 2;
+  mbar_expect(&w->full[s], bytes);
+  bulk_load(w->in[s], src + (size_t)k * EPXC_STAGED_CHUNK, bytes, &w->full[s]);
+  r->loaded++;
 }
 
 /* The current token's destinations into the warp's table, from the lanes that hold them
@@ -202,7 +209,10 @@ static __device__ __forceinline__ void staged_convert_next(staged_warp_t *w, sta
     quantise_chunk<true>(w, w->in[s], k, valid, m);
   else if (m > 0)
     quantise_chunk<false>(w, w->in[s], k, valid, m);
-  fence_async_smem(); /* this lane's reads of in[s], before the copy engine writes it again */
+  /* No proxy fence before lane 0's next bulk copy into in[s]: the lanes' reads of it returned
+     before this barrier (every value read feeds the stores above), so a later write cannot
+     change them; CUTLASS's TMA pipelines hand a read stage back to the copy engine the same
+     way, by a barrier alone. A fence here cost 2% (bench/RESULTS.md, 2026-12-06). */
   __syncwarp();
   r->converted++;
 }

@@ -31,8 +31,8 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
   EPXC_TMA("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-/* Makes barrier initialisation, and this warp's reads of a stage, visible to the copy engine
- * (the async proxy) before it writes the stage again. */
+/* Makes this thread's shared-memory writes (barrier initialisation) visible to the copy engine
+ * (the async proxy). */
 static __device__ __forceinline__ void fence_async_smem(void) { EPXC_TMA("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 /* One thread: n stages' barriers, initialised and made visible to the copy engine. */
