@@ -101,8 +101,10 @@ def prepare(dev, stream) -> None:
     pinned staging memory now: a page-locked allocation is an implicit synchronization too.
     torch reads a CUDA tensor's value to the host (``.item()``, ``int(t)``, ``bool(t)``) through
     a page-locked block from its host cache, allocating one (cudaHostAlloc) where none of that
-    size is free: each rank leaves two blocks of every size up to 1 MiB there (EPX_TORCH_RESERVE_MB
-    = 0 leaves none either)."""
+    size is free, and a process's first page-locked allocation waited for a kernel running on
+    another stream (torch 2.11 on an H100, bench/RESULTS.md 2026-12-06; later ones did not).
+    Each rank leaves two blocks of every size up to 1 MiB there, so the first is made here and
+    a rank's reads then allocate nothing (EPX_TORCH_RESERVE_MB = 0 leaves none either)."""
     mb = int(os.environ.get("EPX_TORCH_RESERVE_MB", "128"))
     if mb > 0:
         try:
