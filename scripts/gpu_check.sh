@@ -65,6 +65,14 @@ match_shards() {
   return $rc
 }
 
+# Every thread of process $1, a line each, labelled $2: its state, system call and wait channel.
+thread_states() { # pid, label
+  for t in /proc/"$1"/task/*; do
+    echo "$2: task ${t##*/} $(cat "$t/comm" 2>/dev/null) state $(awk '{print $3}' "$t/stat" 2>/dev/null)" \
+      "syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null) wchan $(cat "$t/wchan" 2>/dev/null)"
+  done
+}
+
 # Runs a pytest command (its output into $1) and, when faulthandler reports a test still running
 # after its timeout (pytest -o faulthandler_timeout), saves every thread's native stack too
 # (gdb or cuda-gdb, where the machine has one) in $out/stall-stacks.txt: the Python stacks say
@@ -90,16 +98,13 @@ pytest_with_stacks() {
         echo "a test stalled; no debugger here for its native stacks" >"$out/stall-stacks.txt"
       fi
       # each thread's state and system call (a thread in the driver sits in ioctl, 16 on
-      # x86-64; one spinning in user space is R with no call): readable without a debugger
-      [ -n "$py" ] && for t in /proc/"$py"/task/*; do
-        echo "task ${t##*/} $(cat "$t/comm" 2>/dev/null) state $(awk '{print $3}' "$t/stat" 2>/dev/null)" \
-          "syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null) wchan $(cat "$t/wchan" 2>/dev/null)"
-      done >>"$out/stall-stacks.txt"
-      # where the stall lasts: the same once more 5 s later
-      sleep 5
-      [ -n "$py" ] && for t in /proc/"$py"/task/*; do
-        echo "later: task ${t##*/} state $(awk '{print $3}' "$t/stat" 2>/dev/null) syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
-      done >>"$out/stall-stacks.txt"
+      # x86-64; one spinning in user space is R with no call): readable without a debugger;
+      # once more 5 s later, where the stall lasts
+      if [ -n "$py" ]; then
+        thread_states "$py" now >>"$out/stall-stacks.txt"
+        sleep 5
+        thread_states "$py" later >>"$out/stall-stacks.txt"
+      fi
     fi
   done
   wait "$pid"
@@ -144,7 +149,7 @@ fi
 # (also alone: 'pytest'). faulthandler prints every thread's Python stack when a test runs past
 # 12 s (none should: the collectives' timeout is 20 s); pytest_with_stacks adds the native stacks
 if want tests || asked pytest; then
-  run pytest-gpu bash -c "$(declare -f pytest_with_stacks); out=$out; pytest_with_stacks $logs/pytest-gpu.raw \
+  run pytest-gpu bash -c "$(declare -f thread_states pytest_with_stacks); out=$out; pytest_with_stacks $logs/pytest-gpu.raw \
     env EPX_LIBRARY=$PWD/$build/libepx.so EPX_TEST_REPEAT=6 timeout 300 python3 -m pytest -q -p no:cacheprovider \
     -o faulthandler_timeout=12 -m 'gpu and not megatron' tests/python; rc=\$?; cat $logs/pytest-gpu.raw; exit \$rc"
 fi
