@@ -11,14 +11,15 @@ A line is "<kind> <block>: <start ns> <mark 1 - start> ... <mark 11 - start>", m
 printed as 0. Low-latency lines name their phases in the kind ("lltrace dispatch plan stage
 ..."), come from each rank's block 1 and carry the rank in the block field: the phases are
 summed over rank 0's, and each rank's start and end are given since the step's first start
-(the n-th line of every rank is one step). Notify's blocks ("notifytrace") build, scan and
-finish, and the last block of a launch also meets the peers and derives the receive side;
-their block field is rank * 1000 + ticket. A rank's blocks of one launch are its lines whose
+(the n-th line of every rank is one step). Notify's build tickets ("notifytrace build") build
+and scan; its closing block ("notifytrace close") meets the peers, waits for the tickets,
+pushes its counts, gathers the peers' and derives the receive side; their block field is
+rank * 1000 + ticket. A rank's blocks of one launch are its lines whose
 starts lie within --window us of the launch's first. The phases are rank 0's, also given
 since the launch's first start (the whole launch as one rank saw it); with several ranks the
 n-th launch of each is one step, and each rank's start, when its slowest block was done and
 its end are given since the step's first start, then the phases of the rank that started
-last (its slowest block's, and its last block's). --skip drops each kind's first N
+last (its slowest build ticket's, and its closing block's). --skip drops each kind's first N
 launches (warm-up).
 """
 
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 
 NOTIFY_KIND = "notifytrace"
 LL_KIND = "lltrace"  # lines carry the rank in the block field
-NOTIFY_PHASES = ["built", "scanned", "done", "met the peers", "receive side"]
-NOTIFY_BLOCK_PHASES = 3  # marks every block takes; the rest only the closing block
+NOTIFY_BUILD_PHASES = ["built", "scanned"]  # a build ticket's marks ("notifytrace build")
+NOTIFY_CLOSE_PHASES = ["met the peers", "tickets built", "pushed", "gathered", "receive side"]  # "notifytrace close"
+NOTIFY_PHASES = NOTIFY_BUILD_PHASES + NOTIFY_CLOSE_PHASES
 RANK_BLOCKS = 1000  # a notify line's block field: rank * RANK_BLOCKS + ticket (EPXC_TRACE_RANK_BLOCKS)
 LINE = re.compile(r"^(?P<kind>[a-z]+trace[^:]*?) (?P<block>\d+): (?P<start>\d+)(?P<marks>( \d+)*)\s*$")
 
@@ -84,6 +86,16 @@ def launches(marks: list[Mark], window_us: float) -> list[list[Mark]]:
     return out
 
 
+def notify_marks(m: Mark) -> list[tuple[int, int]]:
+    """A notify line's marks as (phase index in NOTIFY_PHASES, ns since the block's start)."""
+    base = len(NOTIFY_BUILD_PHASES) if is_closer(m) else 0
+    return [(base + i, t) for i, t in enumerate(m.marks)]
+
+
+def is_closer(m: Mark) -> bool:
+    return m.kind.split()[1:2] == ["close"]
+
+
 def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str]:
     by_rank: dict[int, list[Mark]] = {}
     for m in marks:
@@ -96,31 +108,31 @@ def summarise_notify(marks: list[Mark], skip: int, window_us: float) -> list[str
     for g in groups:
         first = g[0].start
         for m in g:
-            for i, t in enumerate(m.marks[: len(NOTIFY_PHASES)]):
+            for i, t in notify_marks(m):
                 per_block[i].append(t / 1000)
                 per_launch[i].append((m.start - first + t) / 1000)
     rows = [f"notify: {len(groups)} launches, {sum(len(g) for g in groups)} block lines "
             "(us, min / median / max; since the block's start | since the launch's first start)"]
     for i, name in enumerate(NOTIFY_PHASES):
-        who = "every block" if i < NOTIFY_BLOCK_PHASES else "the last block"
+        who = "every build ticket" if i < len(NOTIFY_BUILD_PHASES) else "the closing block"
         rows.append(f"  {name:14} {spread(per_block[i]):24} | {spread(per_launch[i]):24} ({who})")
     return rows + (notify_ranks(steps, ranks) if len(ranks) > 1 else [])
 
 
 def notify_launch(g: list[Mark], since: int) -> tuple[list[float], list[float]]:
-    """One rank's launch: when its slowest block ended each block phase, and when its last
-    block ended the others, us since `since`."""
-    slowest = [max(((m.start - since + m.marks[i]) / 1000 for m in g if i < len(m.marks)), default=0.0)
-               for i in range(NOTIFY_BLOCK_PHASES)]
-    closer = max(g, key=lambda m: len(m.marks))
-    rest = [(closer.start - since + t) / 1000 for t in closer.marks[NOTIFY_BLOCK_PHASES: len(NOTIFY_PHASES)]]
-    return slowest, rest
+    """One rank's launch: when its slowest build ticket ended each of its phases, and when the
+    closing block ended its own, us since `since`."""
+    builds = [m for m in g if not is_closer(m)]
+    slowest = [max(((m.start - since + m.marks[i]) / 1000 for m in builds if i < len(m.marks)), default=0.0)
+               for i in range(len(NOTIFY_BUILD_PHASES))]
+    closer = [(m.start - since + t) / 1000 for m in g if is_closer(m) for t in m.marks[: len(NOTIFY_CLOSE_PHASES)]]
+    return slowest, closer
 
 
 def notify_ranks(steps: dict[int, list[list[Mark]]], ranks: list[int]) -> list[str]:
     """Every rank's notify, the n-th launch of each one step: each rank's start, when its
-    slowest block was done and its end, since the step's first start; then the phases of the
-    rank that started last (its peers' posts are there when it looks: the step's own cost)."""
+    slowest build ticket was done and its end, since the step's first start; then the phases of
+    the rank that started last (its peers' posts are there when it looks: the step's own cost)."""
     n = min(len(v) for v in steps.values())
     rows = [f"  {n} steps of {len(ranks)} ranks (us since the step's first start, min / median / max):"]
     for r in ranks:
@@ -128,17 +140,17 @@ def notify_ranks(steps: dict[int, list[list[Mark]]], ranks: list[int]) -> list[s
         for k in range(n):
             first = min(steps[q][k][0].start for q in ranks)
             g = steps[r][k]
-            slowest, rest = notify_launch(g, first)
+            slowest, closer = notify_launch(g, first)
             started.append((g[0].start - first) / 1000)
             done.append(slowest[-1])
-            ended.append(rest[-1] if rest else slowest[-1])
-        rows.append(f"    rank {r}: started {spread(started)}, blocks done {spread(done)}, ended {spread(ended)}")
-    rows.append("  the rank that started last, since its start (its slowest block, then its last block):")
+            ended.append(closer[-1] if closer else slowest[-1])
+        rows.append(f"    rank {r}: started {spread(started)}, tickets built {spread(done)}, ended {spread(ended)}")
+    rows.append("  the rank that started last, since its start (its slowest build ticket, then its closing block):")
     late = [max((steps[q][k] for q in ranks), key=lambda g: g[0].start) for k in range(n)]
     phases = [[] for _ in NOTIFY_PHASES]
     for g in late:
-        slowest, rest = notify_launch(g, g[0].start)
-        for i, t in enumerate(slowest + rest):
+        slowest, closer = notify_launch(g, g[0].start)
+        for i, t in enumerate(slowest + closer):
             phases[i].append(t)
     return rows + [f"    {name:14} {spread(phases[i])}" for i, name in enumerate(NOTIFY_PHASES)]
 
@@ -152,8 +164,8 @@ def phase_rows(ms: list[Mark], phases: list[str], indent: str) -> list[str]:
 def summarise(marks: list[Mark], skip: int = 0, window_us: float = 500.0) -> list[str]:
     rows: list[str] = []
     kinds: dict[str, list[Mark]] = {}
-    for m in marks:
-        kinds.setdefault(m.kind, []).append(m)
+    for m in marks:  # a notify launch's build and closing lines together
+        kinds.setdefault(NOTIFY_KIND if m.kind.split()[0] == NOTIFY_KIND else m.kind, []).append(m)
     for kind, ms in kinds.items():
         if kind.split()[0] == NOTIFY_KIND:
             rows += summarise_notify(ms, skip, window_us)

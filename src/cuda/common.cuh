@@ -160,10 +160,12 @@ static __device__ __forceinline__ const void *peer_ptr(const epxc_group_t *g, in
   return p ? (const void *)(uintptr_t)(p + (uint64_t)g->delta[r]) : NULL;
 }
 
-/* Rank r's plan, published at p, as this rank reads it from now on (see epxc_peer_t). */
-static __device__ void peer_view(const epxc_group_t *g, int r, uint64_t p, epxc_peer_t *v) {
+/* Rank r's plan, published at p with its token count, as this rank reads it from now on (see
+ * epxc_peer_t). Only fields the host wrote before rank r's notify started are read here: rank r
+ * may still be building the rest. */
+static __device__ void peer_view(const epxc_group_t *g, int r, uint64_t p, int64_t num_tokens, epxc_peer_t *v) {
   const epxc_plan_t *src = (const epxc_plan_t *)peer_ptr(g, r, p);
-  v->num_tokens = src->num_tokens;
+  v->num_tokens = num_tokens;
   v->words = src->words;
   v->idx = (const int32_t *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->idx);
   v->weight = (const float *)peer_ptr(g, r, (uint64_t)(uintptr_t)src->weight);

@@ -27,6 +27,8 @@ extern "C" {
 #define EPXC_STAMP_WORDS 4   /* the call's stamp (epxc_stamp_t) */
 #define EPXC_SLOT_WORDS (EPXC_PAYLOAD_WORDS + EPXC_STAMP_WORDS + 2) /* then the phase tag and the verdict */
 #define EPXC_PHASE_TAG 0x6570780000000000ull
+/* What notify's sources push to a rank (epxc_state_t.notify_in): 1 + R + L ints from each of R. */
+#define EPXC_NOTIFY_IN_INTS (EPX_MAX_RANKS * (1 + EPX_MAX_RANKS) + EPX_MAX_EXPERTS)
 
 /* What an exchange publishes, by kind of exchange. The first word of every kind is the rank's
  * status (epx_status_t: a failure makes every rank skip the operation); addresses are the
@@ -35,7 +37,6 @@ typedef struct {
   uint64_t status;
   uint64_t plan;       /* epxc_plan_t *: its plan, whose send side the readers take in */
   uint64_t num_tokens;
-  uint64_t counts;     /* int32_t *: this notify's counts (epxc_state_t.notify_counts) */
 } epxc_notify_words_t;
 
 typedef struct { /* high-throughput dispatch */
@@ -117,13 +118,13 @@ typedef struct {
   epxc_ll_inbox_t ll_inbox[EPXC_LL_INBOXES];
   int32_t aborted;                               /* a wait failed: every later kernel is a no-op */
   int32_t group_status;                          /* first failure a rank reported in the last exchange */
-  /* Notify: the counts (tokens per rank, then pairs per expert) the peers read, by the parity
-   * of this rank's notify launches. A rank is at most one notify ahead of a peer still reading
-   * its last one (its next notify's exchange waits for that peer to have finished), so the
-   * older copy is free again by then: no exchange closes a notify. They live with the comm,
-   * not the handle, so a handle destroyed right after its notify frees nothing a peer reads. */
-  uint64_t notifies;                             /* notify launches of this rank */
-  int32_t notify_counts[2][EPX_MAX_RANKS + EPX_MAX_EXPERTS];
+  /* Notify: what each source pushed here once its counts were known (layout.cu, close_notify):
+   * the epoch of the notify exchange they belong to, then in notify_in, at source q's
+   * q * (1 + R + L), its routing's status, its tokens per rank and its pairs of each of this
+   * rank's local experts. One copy is enough: a source pushes only after the exchange of the
+   * same notify, which this rank enters only once its previous notify has finished reading. */
+  uint64_t notify_flag[EPX_MAX_RANKS];
+  int32_t notify_in[EPXC_NOTIFY_IN_INTS];
 } epxc_state_t;
 
 /* Per rank, in host-mapped memory so the host reads it without a sync, and peers' kernels
@@ -150,7 +151,7 @@ _Static_assert(sizeof(epxc_error_t) * EPX_MAX_RANKS <= 4096, "every rank's error
 #endif
 
 typedef enum {
-  EPXC_PH_NOTIFY = 0, /* notify has no closing exchange (epxc_state_t.notify_counts) */
+  EPXC_PH_NOTIFY = 0, /* notify has no closing exchange (epxc_state_t.notify_in) */
   EPXC_PH_DISPATCH,
   EPXC_PH_DISPATCH_DONE,
   EPXC_PH_COMBINE,
@@ -240,14 +241,15 @@ typedef struct epxc_plan {
 
 /* How the blocks of one notify launch (layout.cu) meet, per handle, in device memory: kept
  * between launches, never cleared by the host after it is made (all zero, bad_key all ones).
- * The header is followed by ready[blocks] (uint64_t: the launch number once that ticket's sums
- * are written), then sums[blocks][R + E] (int32_t: each row's popcount over the ticket's words). */
+ * The header is followed by ready[blocks] (uint64_t: the launch number once that build
+ * ticket's sums are written), then sums[blocks][R + E] (int32_t: each row's popcount over the
+ * ticket's words); `blocks` is the SM budget, the most build tickets a launch has. */
 typedef struct {
   uint32_t ticket;  /* blocks of the running launch that have started */
-  uint32_t done;    /* blocks of the running launch that have finished their part (back to 0 on the last) */
+  uint32_t pad_;
+  uint64_t built;   /* build tickets of the running launch that are done (back to 0 at its end) */
   uint64_t epoch;   /* launches completed */
   uint64_t bad_key; /* the running launch's first refused token (atomicMin); all ones between launches */
-  uint64_t pad_;
 } epxc_scan_t;
 
 static inline size_t epxc_scan_bytes(int blocks, int rows) {

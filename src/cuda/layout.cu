@@ -3,19 +3,27 @@
 #include "cuda/exchange.cuh"
 
 /* Build with -DEPX_NOTIFY_TRACE to have every block of every rank's notify print when its
- * phases ended (trace.cuh): started, built, scanned, done; the last block also met the peers
- * and derived the receive side. The block field is rank * EPXC_TRACE_RANK_BLOCKS + ticket. */
+ * phases ended (trace.cuh): a build ticket ("notifytrace build") started, built, scanned; the
+ * closing block ("notifytrace close") started, met the peers, saw every ticket built, pushed
+ * its counts, gathered the peers', derived the receive side (tools/trace_phases.py sums them
+ * up). The block field is rank * EPXC_TRACE_RANK_BLOCKS + ticket. The marks live in shared
+ * memory, so the functions a block calls can mark too. */
 #ifdef EPX_NOTIFY_TRACE
 #include "cuda/trace.cuh"
-static_assert(EPXC_NOTIFY_THREADS <= EPXC_TRACE_RANK_BLOCKS, "a rank's tickets fit its block numbers");
-#define NOTIFY_TRACE_DECL epxc_trace_t trace_ = {{0}, 0}
-#define NOTIFY_TRACE() trace_mark(&trace_, threadIdx.x == 0)
-#define NOTIFY_TRACE_PRINT() \
-  trace_print(&trace_, threadIdx.x == 0, "notifytrace", s.rank * EPXC_TRACE_RANK_BLOCKS + ticket)
+static_assert(EPXC_NOTIFY_THREADS < EPXC_TRACE_RANK_BLOCKS, "a rank's tickets fit its block numbers");
+static __shared__ epxc_trace_t notify_trace_;
+#define NOTIFY_TRACE_START()                  \
+  do {                                        \
+    if (threadIdx.x == 0) notify_trace_.n = 0; \
+    NOTIFY_TRACE();                           \
+  } while (0)
+#define NOTIFY_TRACE() trace_mark(&notify_trace_, threadIdx.x == 0)
+#define NOTIFY_TRACE_PRINT(what, ticket) \
+  trace_print(&notify_trace_, threadIdx.x == 0, "notifytrace " what, g.rank * EPXC_TRACE_RANK_BLOCKS + (ticket))
 #else
-#define NOTIFY_TRACE_DECL
+#define NOTIFY_TRACE_START() EPXC_NO_TRACE
 #define NOTIFY_TRACE() EPXC_NO_TRACE
-#define NOTIFY_TRACE_PRINT() EPXC_NO_TRACE
+#define NOTIFY_TRACE_PRINT(what, ticket) EPXC_NO_TRACE
 #endif
 
 /* A token whose routing is refused counts nowhere and is in no rank; the refusal is this
@@ -66,13 +74,16 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
 
 /* ---- notify ------------------------------------------------------------------------------ */
 
-/* Notify is one launch. Blocks take tickets in the order they start; ticket i builds bitmap
- * words [i * per, (i + 1) * per) of every row (R rank rows, then E expert rows), a warp per word
- * (32 tokens, a lane each), and publishes its rows' popcounts over those words. Its prefix
- * popcounts then need only the sums of the tickets before it: a block waits only for blocks
- * that started before it, so no launch-wide barrier, and nothing depends on how many blocks
- * are resident. The last block to finish meets the peers and derives the receive side
- * (finish). Nothing is cleared beforehand: every word in use is written whole. */
+/* Notify is one launch of the SM budget's build blocks and one closing block. Blocks take
+ * tickets in the order they start. Build ticket i builds bitmap words [i * per, (i + 1) * per)
+ * of every row (R rank rows, then E expert rows), a warp per word (32 tokens, a lane each), and
+ * publishes its rows' popcounts over those words. Its prefix popcounts then need only the sums
+ * of the tickets before it: a block waits only for blocks that started before it, so no
+ * launch-wide barrier, and nothing depends on how many blocks are resident. The last ticket
+ * closes (close_notify): it meets the peers while the others build, so the exchange's round
+ * trips and code are off the critical path; once every build ticket is done it pushes each
+ * peer the counts that peer needs and derives the receive side from what the peers pushed
+ * here. Nothing is cleared beforehand: every word in use is written whole. */
 
 /* What follows a scan header (epxc_scan_t): the tickets' ready flags, then their sums. */
 static __device__ __forceinline__ uint64_t *scan_ready(epxc_scan_t *scan) { return (uint64_t *)(scan + 1); }
@@ -177,18 +188,18 @@ static __device__ void build_ticket(const epxc_shape_t *s, epxc_plan_t *plan, co
   }
 }
 
-/* Publishes ticket i's popcounts, waits (bounded) for every earlier ticket's, and adds their sum
- * to this ticket's prefix popcounts; the last ticket writes the counts (the rows' totals), in
- * the plan and in the copy the peers read (posted_counts). Where shared memory holds them, the
+/* Publishes build ticket i's popcounts, waits (bounded) for every earlier ticket's, and adds
+ * their sum to this ticket's prefix popcounts; the last of the `builds` tickets writes the
+ * counts (the rows' totals) into the plan. Where shared memory holds them, the
  * ticket's prefix popcounts waited there (pend, [word, row]): they then go out once, whole,
  * instead of being read back from the plan (a round trip) and written again.
  * Tickets before i were taken by blocks already running, which wait for none after them. */
 static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan,
-                                   uint64_t launch, int i, int64_t first, int64_t last, int32_t *carry,
-                                   int32_t *off, const int32_t *pend, int32_t *posted_counts) {
+                                   uint64_t launch, int i, int builds, int64_t first, int64_t last,
+                                   int32_t *carry, int32_t *off, const int32_t *pend) {
   const int R = s->nranks, rows = R + s->num_experts, tid = threadIdx.x;
   uint64_t *ready = scan_ready(scan);
-  int32_t *sums = scan_sums(scan, gridDim.x);
+  int32_t *sums = scan_sums(scan, builds);
   for (int row = tid; row < rows; row += blockDim.x) sums[(int64_t)i * rows + row] = carry[row];
   __syncthreads();
   /* the barrier orders the block's sums before the release (as block_arrives_last's) */
@@ -215,7 +226,7 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
       for (int u = 0; u < EPXC_SCAN_BATCH; u++) o += v[u];
     }
     off[row] = o;
-    if (i == (int)gridDim.x - 1) plan->counts[row] = posted_counts[row] = o + carry[row];
+    if (i == builds - 1) plan->counts[row] = o + carry[row];
   }
   __syncthreads();
   /* the earlier tickets' sums into this ticket's words: EPXC_SCAN_BATCH words a thread loaded
@@ -246,38 +257,45 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   return true;
 }
 
-/* What the block that finished last takes into its exchange: the plan's status and the
- * exchange's epoch (next_epoch's), both read in the round trip that reads the build's first
- * refused key. */
-typedef struct {
-  bool last;
-  int32_t status;
-  uint64_t epoch;
-} closing_t;
+/* A build ticket is done: its plan writes (every thread's, through the barrier) are released
+ * to the closing block, which waits for all of them (builds_done). */
+static __device__ void build_arrives(epxc_scan_t *scan) {
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(&scan->built) : "memory");
+}
 
-/* Whether this block finished last (all the others' plan writes then visible to it, and
- * through its post to the peers); that block also resets the scan for the next launch. */
-static __device__ closing_t finished_last(const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan,
-                                          uint64_t launch, int64_t T) {
+/* The closing block waits until every build ticket is done, then records the plan's send side
+ * summary and resets the scan for the next launch: every ticket has been taken by then (the
+ * closer holds the last). A build ticket's own waits end within the timeout, so this one is
+ * bounded by twice that; should it run out, the rank stops all the same. Returns the
+ * routing's status (plan_status), or EPX_ERR_BROKEN when this rank stopped: a ticket or this
+ * wait timed out. */
+static __device__ int32_t builds_done(const epxc_group_t *g, epxc_plan_t *plan, epxc_scan_t *scan, uint64_t launch,
+                                      int builds, int64_t T) {
   __shared__ int32_t status;
-  __shared__ uint64_t epoch;
-  const bool last = block_arrives_last(&scan->done);
-  if (last && threadIdx.x == 0) {
-    const epxc_state_t *me = g->state[g->rank];
-    const uint64_t bad = *(volatile uint64_t *)&scan->bad_key, seq = me->seq;
-    const int aborted = me->aborted; /* a ticket that timed out set it before it arrived */
-    status = plan_status(bad);
-    epoch = aborted ? 0 : seq + 1;
+  if (threadIdx.x == 0) {
+    const uint64_t start = globaltimer_ns();
+    bool late = false;
+    for (uint32_t spin = 0; !late && !reached(&scan->built, (uint64_t)builds, spin); spin++)
+      late = (spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > 2 * g->timeout_ns;
+    if (late) {
+      record_error(g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g->rank, (int64_t)(g->timeout_ns / 1000000));
+      g->state[g->rank]->aborted = 1;
+    }
+    const uint64_t bad = *(volatile uint64_t *)&scan->bad_key;
+    const int aborted = ((volatile epxc_state_t *)g->state[g->rank])->aborted; /* a ticket that timed out set it */
     plan->num_tokens = T;
     plan->refused = EPX_SUCCESS;
     plan->bad_key = bad;
-    plan->status = status;
+    plan->status = plan_status(bad);
+    status = aborted ? EPX_ERR_BROKEN : plan_status(bad);
     scan->bad_key = ~0ull;
+    scan->built = 0;
     scan->ticket = 0;
     scan->epoch = launch;
   }
   __syncthreads();
-  return (closing_t){last, status, epoch};
+  return status;
 }
 
 /* One exclusive prefix sum for block_scans: of round_up(in[i], align), i < n, into starts
@@ -357,7 +375,7 @@ static __device__ void block_scans(const scan_job_t *jobs, int64_t *totals) {
  * "Receive budget"): expert l keeps keep_l = min(n_l, floor(max(B - start_l, 0) / align) *
  * align) of its n_l pairs (local[l], shared memory, on entry; keep_l on return), start_l being
  * the rows of the blocks before it: the first keep_l in (source, token) order, so source q
- * keeps clamp(keep_l - base_{l,q}, 0, pairs_{l,q}) of its own (see finish_block). Without a
+ * keeps clamp(keep_l - base_{l,q}, 0, pairs_{l,q}) of its own (see derive_receive_side). Without a
  * budget every pair is kept. Returns the pairs dropped. */
 static __device__ int64_t apply_budget(const epxc_shape_t *s, int32_t *local) {
   const int L = s->num_local;
@@ -380,58 +398,106 @@ static __device__ int64_t apply_budget(const epxc_shape_t *s, int32_t *local) {
   return dropped;
 }
 
-/* Shared memory finish_block takes, in the space the build used (it has finished by then):
+/* Shared memory the closing block takes for the receive side (it builds nothing):
  * block[L + 1] (int64), then tokens[R * R], pairs[L * R], own[R + E] and local[L] (int32). */
 static __host__ __device__ size_t finish_smem_bytes(int R, int E) {
   const int L = E / R;
   return sizeof(int64_t) * (L + 1) + sizeof(int32_t) * ((size_t)R * R + (size_t)L * R + R + E + L);
 }
 
-/* After the exchange of plan pointers (met: thread r < R holds rank r's notify words, thread 0
- * the group's status): every rank's send side as this rank reads it, then the receive side,
- * from every rank's counts. The counts are read once, by all the threads at once, into shared
- * memory, from the copies the ranks posted (epxc_state_t.notify_counts: a peer already in its
- * next notify rewrites its plan's, not those); every sum over ranks, experts and rows is then
- * made in shared memory (the four prefix sums in one pass, block_scans), and the plan's arrays
- * are written once at the end: a few round trips in all. */
-static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *g, const epxc_met_t *met,
-                                    epxc_plan_t *plan, void *smem) {
+/* The closing block's arrays in its shared memory (finish_smem_bytes). */
+typedef struct {
+  int64_t *block;  /* [L + 1]: first row of local expert l's block */
+  int32_t *tokens; /* [q * R + d]: q's tokens for d */
+  int32_t *pairs;  /* [l * R + q]: q's pairs of local expert l */
+  int32_t *own;    /* [R + E]: this rank's counts */
+  int32_t *local;  /* [L]: local expert l's pairs, then those kept */
+} finish_arrays_t;
+
+static __device__ finish_arrays_t finish_arrays(const epxc_shape_t *s, void *smem) {
+  const int R = s->nranks, L = s->num_local;
+  finish_arrays_t a;
+  a.block = (int64_t *)smem;
+  a.tokens = (int32_t *)(a.block + L + 1);
+  a.pairs = a.tokens + R * R;
+  a.own = a.pairs + L * R;
+  a.local = a.own + R + s->num_experts;
+  return a;
+}
+
+/* Pushes every peer q what it needs of this rank's counts (own) into q's notify inbox: the
+ * routing's status, the tokens for each rank, the pairs of each of q's local experts
+ * (epxc_state_t.notify_in); then flags q with the notify's exchange epoch. Posted writes: a
+ * peer reads what was pushed to it from its own memory, no round trip. */
+static __device__ void push_counts(const epxc_shape_t *s, const epxc_group_t *g, const int32_t *own, int32_t status,
+                                   uint64_t epoch) {
+  const int R = s->nranks, L = s->num_local, n = 1 + R + L, me = s->rank;
+#pragma unroll 1
+  for (int i = threadIdx.x; i < R * n; i += blockDim.x) {
+    const int q = i / n, j = i - q * n;
+    g->state[q]->notify_in[me * n + j] = j == 0 ? status : j <= R ? own[j - 1] : own[R + q * L + j - 1 - R];
+  }
+  __syncthreads(); /* orders the block's stores before each flag's release (as block_arrives_last) */
+  if (threadIdx.x < R) st_release(&g->state[threadIdx.x]->notify_flag[me], epoch);
+}
+
+/* Waits (bounded) for every peer's push of the notify of exchange `epoch` and reads them into
+ * a.tokens and a.pairs. Returns the group's status as an exchange would decide it: the first
+ * failure a rank reported, in rank order (recorded here, as the exchange records it), or
+ * EPX_ERR_BROKEN when a wait failed (this rank then stops). */
+static __device__ int32_t gather_counts(const epxc_shape_t *s, const epxc_group_t *g, uint64_t epoch,
+                                        const finish_arrays_t *a) {
+  const int R = s->nranks, L = s->num_local, n = 1 + R + L, tid = threadIdx.x, nt = blockDim.x;
+  epxc_state_t *me = g->state[s->rank];
+  __shared__ int failed;
+  __shared__ int32_t decided;
+  __shared__ int32_t status[EPX_MAX_RANKS];
+  if (tid == 0) failed = 0;
+  __syncthreads();
+  if (tid < R) {
+    const int got = wait_flag(g, &me->notify_flag[tid], epoch, tid, EPXC_PH_NOTIFY);
+    if (got == WAIT_LATE) record_error(g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, tid, (int64_t)(g->timeout_ns / 1000000));
+    if (got != WAIT_ARRIVED) failed = 1;
+  }
+  __syncthreads();
+  if (failed) {
+    if (tid == 0) me->aborted = 1;
+    return EPX_ERR_BROKEN;
+  }
+  const volatile int32_t *in = me->notify_in;
+#pragma unroll 1
+  for (int i = tid; i < R * R; i += nt) a->tokens[i] = in[(i / R) * n + 1 + i % R];
+#pragma unroll 1
+  for (int i = tid; i < L * R; i += nt) a->pairs[i] = in[(i % R) * n + 1 + R + i / R];
+  if (tid < R) status[tid] = in[tid * n];
+  __syncthreads();
+  if (tid == 0) {
+    int32_t first = EPX_SUCCESS;
+    int who = 0;
+#pragma unroll 1
+    for (int q = 0; q < R && first == EPX_SUCCESS; q++) first = status[q], who = q;
+    if (first != EPX_SUCCESS) {
+      record_error(g, first, EPXC_PH_NOTIFY, who, 0);
+      me->group_status = first;
+    }
+    decided = first;
+  }
+  __syncthreads();
+  return decided;
+}
+
+/* The receive side, from every rank's counts in shared memory (a): every sum over ranks,
+ * experts and rows is made there (the four prefix sums in one pass, block_scans), and the
+ * plan's arrays are written once at the end. */
+static __device__ void derive_receive_side(const epxc_shape_t *sp, epxc_plan_t *plan, const finish_arrays_t *a) {
   const epxc_shape_t s = *sp;
   const int R = s.nranks, L = s.num_local, E = s.num_experts, me = s.rank, tid = threadIdx.x, nt = blockDim.x;
-  __shared__ int stop;
-  __shared__ const int32_t *posted[EPX_MAX_RANKS];
-  __shared__ uint64_t plans[EPX_MAX_RANKS]; /* where each rank published its plan */
-  int64_t *const block = (int64_t *)smem;              /* [l]: first row of local expert l's block */
-  int32_t *const tokens = (int32_t *)(block + L + 1);  /* [q * R + d]: q's tokens for d */
-  int32_t *const pairs = tokens + R * R;               /* [l * R + q]: q's pairs of local expert l */
-  int32_t *const own = pairs + L * R;                  /* this rank's counts */
-  int32_t *const local = own + R + E;                  /* [l]: local expert l's pairs, then those kept */
+  int64_t *const block = a->block;
+  const int32_t *const tokens = a->tokens, *const pairs = a->pairs;
+  int32_t *const own = a->own, *const local = a->local;
   /* the plan's arrays, read once: a store through one could otherwise be to *plan */
   int64_t *const pair_base = plan->pair_base, *const block_out = plan->block, *const pair_send_base = plan->pair_send_base;
   int32_t *const pairs_local = plan->pairs_local, *const kept = plan->kept;
-  if (tid == 0) {
-    const int status = met->status;
-    plan->group_status = status;
-    if (status) plan->num_recv = plan->num_rows = plan->num_pairs = 0;
-    stop = status != EPX_SUCCESS;
-  }
-  __syncthreads();
-  if (stop) return; /* the payloads may then be an earlier exchange's: nothing of them is read */
-  if (tid < R) {
-    plans[tid] = met->words.notify.plan;
-    posted[tid] = (const int32_t *)peer_ptr(g, tid, met->words.notify.counts);
-  }
-  __syncthreads();
-  /* the block's last R threads read the peers' plans while the others read the counts: one
-     round trip for both */
-  if (tid >= nt - R) peer_view(g, nt - 1 - tid, plans[nt - 1 - tid], &plan->peer[nt - 1 - tid]);
-#pragma unroll 1
-  for (int i = tid; i < R * R; i += nt) tokens[i] = posted[i / R][i % R];
-#pragma unroll 1
-  for (int i = tid; i < L * R; i += nt) pairs[i] = posted[i % R][R + me * L + i / R];
-#pragma unroll 1
-  for (int i = tid; i < R + E; i += nt) own[i] = posted[me][i];
-  __syncthreads();
   if (tid < R) {
     int64_t tb = 0, db = 0;
 #pragma unroll 1
@@ -491,58 +557,86 @@ static __device__ void finish_block(const epxc_shape_t *sp, const epxc_group_t *
   __syncthreads();
 }
 
-/* Notify in one launch (see above): build and prefix popcounts over every block, then the
- * block that finished last meets the peers (plan pointers, counts and statuses) and derives
- * the receive side. */
+/* The closing block (see above): it meets the peers (stamps, plan pointers and token counts)
+ * while the build tickets work, takes in the peers' send sides, waits for the build, then
+ * trades counts with the peers and derives the receive side. */
+static __device__ void close_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan,
+                                    epxc_scan_t *scan, int64_t T, const epxc_stamp_t stamp, uint64_t launch,
+                                    void *smem) {
+  const int R = s->nranks, E = s->num_experts, tid = threadIdx.x;
+  const finish_arrays_t a = finish_arrays(s, smem);
+  __shared__ int32_t group;
+  epxc_words_t words = {{0}};
+  words.notify.plan = (uint64_t)(uintptr_t)plan;
+  words.notify.num_tokens = (uint64_t)T;
+  epxc_met_t met;
+  const uint64_t epoch = next_epoch(g);
+  const bool met_ok = exchange_block(g, EPXC_PH_NOTIFY, &words, stamp, epoch, &met);
+  /* before this rank's push: a rank's notify ends only after every peer has read its plan */
+  if (met_ok && tid < R)
+    peer_view(g, tid, met.words.notify.plan, (int64_t)met.words.notify.num_tokens, &plan->peer[tid]);
+  if (tid == 0) group = met_ok ? met.status : EPX_ERR_BROKEN;
+  NOTIFY_TRACE(); /* 1: met the peers */
+  const int32_t routing = builds_done(g, plan, scan, launch, (int)gridDim.x - 1, T);
+  NOTIFY_TRACE(); /* 2: built */
+  if (tid == 0 && group == EPX_SUCCESS && routing == EPX_ERR_BROKEN) group = EPX_ERR_BROKEN; /* this rank stopped */
+  __syncthreads();
+  if (group == EPX_SUCCESS) {
+    const volatile int32_t *counts = plan->counts; /* the last build ticket's, released to builds_done */
+#pragma unroll 1
+    for (int i = tid; i < R + E; i += blockDim.x) a.own[i] = counts[i];
+    __syncthreads();
+    push_counts(s, g, a.own, routing, epoch);
+    NOTIFY_TRACE(); /* 3: pushed */
+    const int32_t got = gather_counts(s, g, epoch, &a);
+    if (tid == 0) group = got;
+    NOTIFY_TRACE(); /* 4: gathered */
+  }
+  __syncthreads();
+  if (tid == 0) {
+    plan->group_status = group;
+    if (group) plan->num_recv = plan->num_rows = plan->num_pairs = 0;
+  }
+  if (group != EPX_SUCCESS) return; /* the same in every thread: read after the barrier */
+  derive_receive_side(s, plan, &a);
+  NOTIFY_TRACE(); /* 5: receive side */
+}
+
+/* Notify in one launch (see above): the build tickets, then the closing block. */
 static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
     notify_kernel(epxc_shape_t s, const __grid_constant__ epxc_group_t g, epxc_plan_t *plan, epxc_scan_t *scan,
                   epxc_route_t r, epxc_stamp_t stamp, int ncols, bool keep_pre) {
-  NOTIFY_TRACE_DECL;
-  NOTIFY_TRACE(); /* 0: started */
   extern __shared__ __align__(16) uint32_t notify_smem[];
-  const int rows = s.nranks + s.num_experts;
-  uint32_t *cols = notify_smem;                           /* [ncols, rows]: a pass's words, a column per warp */
-  int32_t *carry = (int32_t *)(cols + (int64_t)ncols * rows); /* [rows]: this ticket's popcounts */
-  int32_t *off = carry + rows;                            /* [rows]: the earlier tickets' */
   __shared__ int ticket;
-  __shared__ uint64_t launch, nth;
-  epxc_state_t *st = g.state[g.rank];
+  __shared__ uint64_t launch;
+  NOTIFY_TRACE_START(); /* 0: started */
   if (threadIdx.x == 0) {
     ticket = (int)atomicAdd(&scan->ticket, 1u);
     launch = *(volatile uint64_t *)&scan->epoch + 1;
-    nth = st->notifies; /* the closer advances it only after every block has read it */
   }
   __syncthreads();
-  int32_t *const posted_counts = st->notify_counts[nth & 1];
-  const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
-  const int64_t first = ticket_first(used, gridDim.x, ticket), last = ticket_first(used, gridDim.x, ticket + 1);
-  int32_t *const pend = keep_pre ? off + rows : NULL; /* [words, rows]: the ticket's prefix popcounts */
-  build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry, pend);
-  NOTIFY_TRACE(); /* 1: built */
-  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, first, last, carry, off, pend, posted_counts) &&
-      threadIdx.x == 0) {
-    record_error(&g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g.rank, (int64_t)(g.timeout_ns / 1000000));
-    g.state[g.rank]->aborted = 1; /* this rank stops; the exchanges below post nothing */
-  }
-  NOTIFY_TRACE(); /* 2: scanned */
-  const closing_t closing = finished_last(&g, plan, scan, launch, r.num_tokens);
-  NOTIFY_TRACE(); /* 3: done */
-  if (!closing.last) {
-    NOTIFY_TRACE_PRINT();
+  const int builds = (int)gridDim.x - 1;
+  if (ticket == builds) {
+    close_notify(&s, &g, plan, scan, r.num_tokens, stamp, launch, notify_smem);
+    NOTIFY_TRACE_PRINT("close", ticket);
     return;
   }
-  epxc_words_t words = {{0}};
-  words.notify.status = (uint64_t)(uint32_t)closing.status;
-  words.notify.plan = (uint64_t)(uintptr_t)plan;
-  words.notify.num_tokens = (uint64_t)r.num_tokens;
-  words.notify.counts = (uint64_t)(uintptr_t)posted_counts;
-  epxc_met_t met;
-  exchange_block(&g, EPXC_PH_NOTIFY, &words, stamp, closing.epoch, &met);
-  if (threadIdx.x == 0) st->notifies = nth + 1;
-  NOTIFY_TRACE(); /* 4: met the peers */
-  finish_block(&s, &g, &met, plan, notify_smem);
-  NOTIFY_TRACE(); /* 5: receive side */
-  NOTIFY_TRACE_PRINT();
+  const int rows = s.nranks + s.num_experts;
+  uint32_t *cols = notify_smem;                               /* [ncols, rows]: a pass's words, a column per warp */
+  int32_t *carry = (int32_t *)(cols + (int64_t)ncols * rows); /* [rows]: this ticket's popcounts */
+  int32_t *off = carry + rows;                                /* [rows]: the earlier tickets' */
+  int32_t *const pend = keep_pre ? off + rows : NULL;         /* [words, rows]: the ticket's prefix popcounts */
+  const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
+  const int64_t first = ticket_first(used, builds, ticket), last = ticket_first(used, builds, ticket + 1);
+  build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry, pend);
+  NOTIFY_TRACE(); /* 1: built */
+  if (!scan_ticket(&s, &g, plan, scan, launch, ticket, builds, first, last, carry, off, pend) && threadIdx.x == 0) {
+    record_error(&g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g.rank, (int64_t)(g.timeout_ns / 1000000));
+    g.state[g.rank]->aborted = 1; /* this rank stops: the closing block pushes nothing */
+  }
+  build_arrives(scan);
+  NOTIFY_TRACE(); /* 2: scanned */
+  NOTIFY_TRACE_PRINT("build", ticket);
 }
 
 /* Columns a notify pass builds at once: a warp each, as many as shared memory holds. */
@@ -554,7 +648,8 @@ static int notify_columns(int rows) {
 extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
                            const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream) {
   const int rows = s->nranks + s->num_experts, ncols = notify_columns(rows);
-  /* a ticket's look-back gives each earlier ticket a thread: no more blocks than threads */
+  /* a build ticket's look-back gives each earlier ticket a thread: no more of them than threads;
+     the closing block waits most of its time, beside the budget's build blocks */
   const int blocks = s->num_sms < EPXC_NOTIFY_THREADS ? s->num_sms : EPXC_NOTIFY_THREADS;
   /* a ticket's prefix popcounts wait in shared memory for its scan where they fit (scan_ticket) */
   const int64_t used = (r->num_tokens + EPXC_WARP - 1) / EPXC_WARP, per = (used + blocks - 1) / blocks;
@@ -564,7 +659,7 @@ extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_pl
   const size_t build = words + (keep_pre ? pend : 0), finish = finish_smem_bytes(s->nranks, s->num_experts),
                smem = build > finish ? build : finish;
   /* finish's need is largest at one rank with EPX_MAX_EXPERTS experts: 82 KB, within EPXC_NOTIFY_SMEM */
-  notify_kernel<<<blocks, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp, ncols,
+  notify_kernel<<<blocks + 1, EPXC_NOTIFY_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, plan_dev, scan, *r, *stamp, ncols,
                                                                                keep_pre);
   return (int)cudaGetLastError();
 }

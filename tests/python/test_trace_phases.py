@@ -47,18 +47,20 @@ def test_notify_blocks_cut_into_launches():
         first = 5 * 10**9 + L * 10**7  # launches 10 ms apart; blocks start within 2 us
         for b in g.permutation(blocks):  # blocks print in any order
             start = first + int(g.integers(0, 2000)) if b else first
-            marks = sorted(int(x) for x in g.integers(1000, 40000, 3))
-            if b == blocks - 1:  # the closing block's two more marks
-                marks += sorted(int(x) for x in g.integers(40000, 90000, 2))
+            if b == blocks - 1:  # the closing block's five marks
+                marks = sorted(int(x) for x in g.integers(1000, 90000, 5))
                 closer_done.append((start - first + marks[-1]) / 1000)
-            lines.append(_line("notifytrace", int(b), start, marks))
+                lines.append(_line("notifytrace close", int(b), start, marks))
+            else:
+                marks = sorted(int(x) for x in g.integers(1000, 40000, 2))
+                lines.append(_line("notifytrace build", int(b), start, marks))
     rows = mod.summarise(mod.parse(lines), skip=1)
     assert rows[0].startswith(f"notify: {launches - 1} launches, {(launches - 1) * blocks} block lines")
     done = rows[1 + mod.NOTIFY_PHASES.index("receive side")]
     want = closer_done[1:]
     since_launch = done.split("|")[1].split("(")[0].strip()
     assert since_launch == f"{min(want):.1f} / {statistics.median(want):.1f} / {max(want):.1f}"
-    assert "(every block)" in rows[1] and "(the last block)" in done
+    assert "(every build ticket)" in rows[1] and "(the closing block)" in done
 
 
 def test_no_trace_lines(tmp_path, capsys):
@@ -123,8 +125,8 @@ def test_low_latency_ranks_line_up():
 
 def test_notify_ranks_line_up():
     """Every rank's notify blocks print (block field rank * 1000 + ticket): rank 0's phases as
-    before, then each rank's start, slowest block and end since the step's first start, and
-    the phases of the rank that started last."""
+    before, then each rank's start, slowest build ticket and end since the step's first start,
+    and the phases of the rank that started last."""
     mod = _tool()
     g = rng(4)
     ranks, blocks, steps, skip = int(g.integers(2, 9)), int(g.integers(2, 17)), int(g.integers(2, 8)), 1
@@ -135,15 +137,17 @@ def test_notify_ranks_line_up():
         for r in g.permutation(ranks):
             r = int(r)
             first = step0 + late[r][n]
-            slowest, closer = [0, 0, 0], None  # ns since the rank's first start
+            slowest, closer = [0, 0], None  # ns since the rank's first start
             for b in g.permutation(blocks):
                 start = first + (int(g.integers(1, 2000)) if b else 0)
-                marks = sorted(int(x) for x in g.integers(1000, 40000, 3))
                 if b == blocks - 1:
-                    marks += sorted(int(x) for x in g.integers(40000, 90000, 2))
-                    closer = [start - first + t for t in marks[3:]]
-                slowest = [max(s, start - first + t) for s, t in zip(slowest, marks[:3])]
-                lines.append(_line("notifytrace", r * mod.RANK_BLOCKS + int(b), start, marks))
+                    marks = sorted(int(x) for x in g.integers(1000, 90000, 5))
+                    closer = [start - first + t for t in marks]
+                    lines.append(_line("notifytrace close", r * mod.RANK_BLOCKS + int(b), start, marks))
+                    continue
+                marks = sorted(int(x) for x in g.integers(1000, 40000, 2))
+                slowest = [max(s, start - first + t) for s, t in zip(slowest, marks)]
+                lines.append(_line("notifytrace build", r * mod.RANK_BLOCKS + int(b), start, marks))
             want[r, n] = (late[r][n], slowest, closer)
     rows = mod.summarise(mod.parse(lines), skip=skip)
     assert rows[0].startswith(f"notify: {steps - skip} launches, {(steps - skip) * blocks} block lines")
@@ -159,7 +163,7 @@ def test_notify_ranks_line_up():
         started = [(late[r][n] - first[n]) / 1000 for n in kept]
         done = [(late[r][n] - first[n] + want[r, n][1][-1]) / 1000 for n in kept]
         ended = [(late[r][n] - first[n] + want[r, n][2][-1]) / 1000 for n in kept]
-        assert rows[at + 1 + r] == f"    rank {r}: started {spread(started)}, blocks done {spread(done)}, ended {spread(ended)}"
+        assert rows[at + 1 + r] == f"    rank {r}: started {spread(started)}, tickets built {spread(done)}, ended {spread(ended)}"
     assert rows[at + 1 + ranks].startswith("  the rank that started last, since its start")
     last = [max(range(ranks), key=lambda q: late[q][n]) for n in kept]
     for i, name in enumerate(mod.NOTIFY_PHASES):
