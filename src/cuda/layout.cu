@@ -572,10 +572,12 @@ static __device__ void close_notify(const epxc_shape_t *s, const epxc_group_t *g
   epxc_met_t met;
   const uint64_t epoch = next_epoch(g);
   const bool met_ok = exchange_block(g, EPXC_PH_NOTIFY, &words, stamp, epoch, &met);
-  /* before this rank's push: a rank's notify ends only after every peer has read its plan */
-  if (met_ok && tid < R)
+  if (tid == 0) group = met_ok ? met.status : EPX_ERR_BROKEN; /* thread 0 holds the status */
+  __syncthreads();
+  /* Before this rank's push: a rank's notify ends only after every peer has read its plan. A
+     failed exchange's words may be an earlier one's, or a refusing rank's (no plan): unread. */
+  if (group == EPX_SUCCESS && tid < R)
     peer_view(g, tid, met.words.notify.plan, (int64_t)met.words.notify.num_tokens, &plan->peer[tid]);
-  if (tid == 0) group = met_ok ? met.status : EPX_ERR_BROKEN;
   NOTIFY_TRACE(); /* 1: met the peers */
   const int32_t routing = builds_done(g, plan, scan, launch, (int)gridDim.x - 1, T);
   NOTIFY_TRACE(); /* 2: built */
