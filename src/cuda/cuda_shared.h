@@ -118,11 +118,12 @@ typedef struct {
   epxc_ll_inbox_t ll_inbox[EPXC_LL_INBOXES];
   int32_t aborted;                               /* a wait failed: every later kernel is a no-op */
   int32_t group_status;                          /* first failure a rank reported in the last exchange */
-  /* Notify: what each source pushed here once its counts were known (layout.cu, close_notify):
-   * the epoch of the notify exchange they belong to, then in notify_in, at source q's
-   * q * (1 + R + L), its routing's status, its tokens per rank and its pairs of each of this
-   * rank's local experts. One copy is enough: a source pushes only after the exchange of the
-   * same notify, which this rank enters only once its previous notify has finished reading. */
+  /* Notify: what each source pushed here once its counts were known (layout.cu, close_notify).
+   * notify_flag[q]: the epoch of the notify exchange whose counts source q pushed last;
+   * notify_in from q * (1 + R + L): q's routing status, its tokens per rank, its pairs of each
+   * of this rank's local experts. One copy is enough: a source pushes only after the exchange
+   * of the same notify, which this rank enters only once its previous notify has finished
+   * reading. */
   uint64_t notify_flag[EPX_MAX_RANKS];
   int32_t notify_in[EPXC_NOTIFY_IN_INTS];
 } epxc_state_t;
