@@ -1,8 +1,8 @@
 /* The CUDA backend against the host backend, bit for bit: dispatch outputs in both layouts
  * and low-latency mode, combine, and both backward passes, over fresh random routings; later
  * tables add skewed routings, special values (NaN payloads, infinities, -0.0, subnormals) in
- * every input, receive budgets, decode steps, the combine's row sizes and a notify whose scan
- * does not fit shared memory.
+ * every input, receive budgets, decode steps, the combine's row sizes, a notify whose scan
+ * does not fit shared memory and routings wider than top-8.
  *   test_cuda_match               every case of the table
  *   test_cuda_match --list        prints the cases with their indices, runs nothing
  *   test_cuda_match 0,4 15-17     only the cases selected by index: comma-separated indices
@@ -150,6 +150,17 @@ static const extra_t notify_sizes[] = {
     {{8, 256, 8, 128, 8192, HT, EXP, 128, BF, BF, TU_FORM_TOPK32, 0, 1}, .num_sms = 2},
 };
 
+/* Routings wider than top-8, after notify's sizes (the cases above stop at 8): up to the
+ * CUDA backend's 16 slots, in every algorithm, both layouts and each routing form. */
+static const extra_t wide[] = {
+    {{4, 64, 16, 2048, 300, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 1}, .route = GU_ROUTE_RANDOM},
+    {{2, 32, 12, 2880, 200, HT, EXP, 16, F32, F32, TU_FORM_TOPK64, 0, 0}, .route = GU_ROUTE_RANDOM},
+    {{4, 32, 16, 2048, 128, HT, EXP, 128, BF, FP8, TU_FORM_MAP, 1, 0}, .route = GU_ROUTE_RANDOM},
+    {{4, 64, 16, 2048, 64, LL, EXP, 1, BF, BF, TU_FORM_TOPK32, 0, 1}, .route = GU_ROUTE_RANDOM},
+    {{2, 32, 12, 2048, 32, LL, EXP, 1, BF, FP8, TU_FORM_MAP, 0, 0}, .route = GU_ROUTE_RANDOM},
+    {{2, 32, 16, 2048, 100, A2A, EXP, 16, BF, BF, TU_FORM_TOPK64, 1, 0}, .route = GU_ROUTE_RANDOM},
+};
+
 #define COUNT(t) ((int)(sizeof t / sizeof *t))
 #define NTABLE COUNT(cases)
 /* The tables after the first, in the order of their indices. */
@@ -162,10 +173,11 @@ static const struct {
               {decode, COUNT(decode)},
               {staged, COUNT(staged)},
               {sums, COUNT(sums)},
-              {notify_sizes, COUNT(notify_sizes)}};
+              {notify_sizes, COUNT(notify_sizes)},
+              {wide, COUNT(wide)}};
 #define NCASES                                                                                      \
   (NTABLE + COUNT(skewed) + COUNT(special) + COUNT(budgeted) + COUNT(decode) + COUNT(staged) + COUNT(sums) + \
-   COUNT(notify_sizes))
+   COUNT(notify_sizes) + COUNT(wide))
 
 /* Case i, 0 <= i < NCASES. */
 static gu_case_t case_of(int i) {
