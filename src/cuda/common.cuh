@@ -322,11 +322,16 @@ static __device__ __forceinline__ P *lane_ptr(P *p, int j) {
  * repeated expert, or a map row with more than K experts; *bad_slot names the first bad slot.
  * Every slot's id and weight are loaded before any is checked, so a token costs two memory
  * round trips, not two a slot (a notify's build waited on little else). The slots are
- * compile-time indices (loops unrolled to EPXC_MAX_TOPK, slots from K on idle): ids and ws
- * stay in registers where the caller indexes them the same way. */
-static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx,
-                                                 epx_dtype_t idx_dtype, const float *topk_weights, const uint8_t *map,
-                                                 const float *probs, int32_t *ids, float *ws, int *bad_slot) {
+ * compile-time indices (loops unrolled to SLOTS, at least K, slots from K on idle): ids and
+ * ws stay in registers where the caller indexes them the same way. The check for repeated
+ * experts compares every pair of slots, so a caller that knows K <= 8 (most models) runs a
+ * quarter of those comparisons with SLOTS = 8. */
+template <int SLOTS>
+static __device__ __forceinline__ int read_route_in(const epxc_shape_t *s, int64_t t, const void *topk_idx,
+                                                    epx_dtype_t idx_dtype, const float *topk_weights,
+                                                    const uint8_t *map, const float *probs, int32_t *ids, float *ws,
+                                                    int *bad_slot) {
+  static_assert(SLOTS <= EPXC_MAX_TOPK, "the slots fit the widest routing");
   const int K = s->topk, E = s->num_experts;
   if (map) {
     int k = 0;
@@ -338,18 +343,18 @@ static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t 
       }
       const float w = probs ? probs[t * E + e] : 1.0f;
 #pragma unroll
-      for (int j = 0; j < EPXC_MAX_TOPK; j++)
+      for (int j = 0; j < SLOTS; j++)
         if (j == k) ids[j] = e, ws[j] = w;
       k++;
     }
 #pragma unroll
-    for (int j = 0; j < EPXC_MAX_TOPK; j++)
+    for (int j = 0; j < SLOTS; j++)
       if (j >= k) ids[j] = -1, ws[j] = 0.0f;
     return EPX_SUCCESS;
   }
   uint32_t out_of_range = 0; /* a bit a slot */
 #pragma unroll
-  for (int k = 0; k < EPXC_MAX_TOPK; k++) {
+  for (int k = 0; k < SLOTS; k++) {
     const int64_t e = k >= K                      ? -1
                       : idx_dtype == EPX_INT64 ? ((const int64_t *)topk_idx)[t * K + k]
                                                : ((const int32_t *)topk_idx)[t * K + k];
@@ -359,7 +364,7 @@ static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t 
   }
   int bad = -1, st = EPX_SUCCESS;
 #pragma unroll
-  for (int k = EPXC_MAX_TOPK - 1; k >= 0; k--) { /* from the last slot down: the first bad one stays */
+  for (int k = SLOTS - 1; k >= 0; k--) { /* from the last slot down: the first bad one stays */
     bool repeated = false;
 #pragma unroll
     for (int j = 0; j < k; j++) repeated |= ids[j] == ids[k];
@@ -368,10 +373,17 @@ static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t 
       bad = k, st = range ? EPX_ERR_EXPERT_OUT_OF_RANGE : EPX_ERR_INVALID_ARGUMENT;
   }
 #pragma unroll
-  for (int k = 0; k < EPXC_MAX_TOPK; k++)
+  for (int k = 0; k < SLOTS; k++)
     if (ids[k] < 0) ws[k] = 0.0f;
   if (bad >= 0) *bad_slot = bad;
   return st;
+}
+
+/* read_route_in over every slot the library takes (EPXC_MAX_TOPK). */
+static __device__ __forceinline__ int read_route(const epxc_shape_t *s, int64_t t, const void *topk_idx,
+                                                 epx_dtype_t idx_dtype, const float *topk_weights, const uint8_t *map,
+                                                 const float *probs, int32_t *ids, float *ws, int *bad_slot) {
+  return read_route_in<EPXC_MAX_TOPK>(s, t, topk_idx, idx_dtype, topk_weights, map, probs, ids, ws, bad_slot);
 }
 
 /* ---- plans -------------------------------------------------------------------------------- */

@@ -100,7 +100,9 @@ static __device__ __forceinline__ int64_t ticket_first(int64_t used, int blocks,
 
 /* Bitmap word `tw` of every row into col[rows] (shared memory), from the warp's 32 tokens, a
  * lane each, whose routings are normalised into the plan on the way. A refused token sets no
- * bit; the first one's key (token << 16 | slot << 8 | status) is kept in *bad_key. */
+ * bit; the first one's key (token << 16 | slot << 8 | status) is kept in *bad_key. SLOTS
+ * (>= topk) is how many slots the code unrolls (read_route_in). */
+template <int SLOTS>
 static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, const epxc_route_t *r, int64_t tw,
                                   uint32_t *col, unsigned long long *bad_key) {
   const int K = s->topk, R = s->nranks, L = s->num_local, rows = R + s->num_experts, lane = lane_id();
@@ -112,13 +114,14 @@ static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, cons
     int32_t ids[EPXC_MAX_TOPK];
     float ws[EPXC_MAX_TOPK];
     int bad = 0;
-    const int st = read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
+    const int st =
+        read_route_in<SLOTS>(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);
     if (st != EPX_SUCCESS)
       atomicMin(bad_key, bad_route_key(t, bad, st));
     int32_t *const idx = plan->idx; /* read once: the stores below could otherwise be to *plan */
     float *const weight = plan->weight;
 #pragma unroll
-    for (int k = 0; k < EPXC_MAX_TOPK; k++) { /* compile-time slots: ids and ws stay in registers */
+    for (int k = 0; k < SLOTS; k++) { /* compile-time slots: ids and ws stay in registers */
       if (k >= K || st != EPX_SUCCESS) continue;
       idx[t * K + k] = ids[k];
       weight[t * K + k] = ws[k];
@@ -181,7 +184,11 @@ static __device__ void build_ticket(const epxc_shape_t *s, epxc_plan_t *plan, co
   for (int row = threadIdx.x; row < rows; row += blockDim.x) carry[row] = 0;
   for (int64_t w0 = first; w0 < last; w0 += ncols) {
     const int n = last - w0 < ncols ? (int)(last - w0) : ncols;
-    if (warp < n) build_word(s, plan, r, w0 + warp, cols + warp * rows, (unsigned long long *)&scan->bad_key);
+    unsigned long long *const bad_key = (unsigned long long *)&scan->bad_key;
+    if (warp < n && s->topk <= EPXC_FEW_SLOTS)
+      build_word<EPXC_FEW_SLOTS>(s, plan, r, w0 + warp, cols + warp * rows, bad_key);
+    else if (warp < n)
+      build_word<EPXC_MAX_TOPK>(s, plan, r, w0 + warp, cols + warp * rows, bad_key);
     __syncthreads();
     store_pass(s, plan, cols, w0, n, carry, pend ? pend + (w0 - first) * rows : NULL);
     __syncthreads();
