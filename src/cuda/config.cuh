@@ -13,8 +13,9 @@
  * this (src/core refuses more: EPXI_NARROW_TOPK), so per-thread arrays stay sized for 16, not
  * for EPX_MAX_TOPK (32), which would double their stack frames at every topk. */
 #define EPXC_MAX_TOPK 16
-/* Where the code is long per slot (reading and checking a routing: notify's build),
- * routings of at most this topk (most models') run a copy unrolled to this many slots. */
+/* Where the code is long per slot (reading and checking a routing: notify's build, the
+ * low-latency dispatch's plan), routings of at most this topk (most models') run a copy
+ * unrolled to this many slots. */
 #define EPXC_FEW_SLOTS 8
 #define EPXC_THREADS 1024           /* work kernels: ht.cu, a2a.cu, stage.cu */
 #define EPXC_WARPS (EPXC_THREADS / EPXC_WARP)

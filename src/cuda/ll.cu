@@ -312,16 +312,19 @@ static __device__ uint64_t post_ll(const epxc_group_t *g, int phase, int32_t sta
 /* ---- dispatch: planning (every block) ------------------------------------------------------- */
 
 /* Token t's normalised routing: the caller's, checked (a status), or on a replay the last
- * dispatch's own copy. Slots are compile-time indices: ids and ws stay in registers. */
+ * dispatch's own copy. Slots are compile-time indices (SLOTS of them, at least topk): ids
+ * and ws stay in registers. */
+template <int SLOTS>
 static __device__ __forceinline__ int token_route(const epxc_shape_t *s, const epxc_ll_bufs_t *b, const epxc_route_t *r,
                                                   int half, int64_t t, int32_t *ids, float *ws, int *bad) {
   const int K = s->topk;
   if (!r->replay)
-    return read_route(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, bad);
+    return read_route_in<SLOTS>(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws,
+                                bad);
   const int32_t *pi = b->idx[half ^ 1] + t * K;
   const float *pw = b->weight[half ^ 1] + t * K;
 #pragma unroll
-  for (int k = 0; k < EPXC_MAX_TOPK; k++) ids[k] = k < K ? pi[k] : -1, ws[k] = k < K ? pw[k] : 0.0f;
+  for (int k = 0; k < SLOTS; k++) ids[k] = k < K ? pi[k] : -1, ws[k] = k < K ? pw[k] : 0.0f;
   return EPX_SUCCESS;
 }
 
@@ -329,6 +332,7 @@ static __device__ __forceinline__ int token_route(const epxc_shape_t *s, const e
  * token t chose e, of rank row d (after the E expert rows) that it goes to rank d; and, where
  * it fits (route_shared), each good token's slots after them. Returns this
  * rank's status: an overflow, a replay with nothing valid to replay, or the first bad token's. */
+template <int SLOTS>
 static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_t *b, const epxc_route_t *r,
                                       const epxc_ll_step_t *prev, int half, uint32_t *bits, const ll_geom_t *gm) {
   const int K = s->topk, E = s->num_experts, W = gm->W;
@@ -340,7 +344,7 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
   float ws[EPXC_MAX_TOPK];
   int bad = 0, st = EPX_SUCCESS;
   int64_t t = threadIdx.x;
-  if (t < T && T <= s->max_tokens) st = token_route(s, b, r, half, t, ids, ws, &bad);
+  if (t < T && T <= s->max_tokens) st = token_route<SLOTS>(s, b, r, half, t, ids, ws, &bad);
   for (int i = threadIdx.x; i < (E + s->nranks) * W; i += blockDim.x) bits[i] = 0;
   if (threadIdx.x == 0) {
     const bool void_replay = r->replay && (prev->status != EPX_SUCCESS || prev->group_status != EPX_SUCCESS);
@@ -351,7 +355,7 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
   __syncthreads();
   const bool go = bad_key == ~0ull;
   for (; go && t < T; t += blockDim.x) {
-    if (t != threadIdx.x) st = token_route(s, b, r, half, t, ids, ws, &bad);
+    if (t != threadIdx.x) st = token_route<SLOTS>(s, b, r, half, t, ids, ws, &bad);
     if (st != EPX_SUCCESS) {
       atomicMin(&bad_key, bad_route_key(t, bad, st));
       continue;
@@ -359,12 +363,12 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
     if (gm->route_shared) {
       const ll_slots_t slots = slots_of(s, W, bits);
 #pragma unroll
-      for (int k = 0; k < EPXC_MAX_TOPK; k++)
+      for (int k = 0; k < SLOTS; k++)
         if (k < K) slots.w[t * K + k] = ws[k], slots.e[t * K + k] = (int16_t)ids[k];
     }
     const uint32_t bit = 1u << (t & 31);
 #pragma unroll
-    for (int k = 0; k < EPXC_MAX_TOPK; k++)
+    for (int k = 0; k < SLOTS; k++)
       if (k < K && ids[k] >= 0) {
         atomicOr(&bits[(int64_t)ids[k] * W + (t >> 5)], bit);
         atomicOr(&bits[(int64_t)(E + quotient(gm->local, ids[k])) * W + (t >> 5)], bit);
@@ -426,7 +430,7 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
     int32_t ids[EPXC_MAX_TOPK];
     float ws[EPXC_MAX_TOPK];
     int bad = 0;
-    token_route(s, b, r, half, t, ids, ws, &bad); /* checked by plan_shared */
+    token_route<EPXC_MAX_TOPK>(s, b, r, half, t, ids, ws, &bad); /* checked by plan_shared */
 #pragma unroll
     for (int k = 0; k < EPXC_MAX_TOPK; k++)
       if (lane == k) e = ids[k], wt = ws[k];
@@ -608,7 +612,9 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   const ll_geom_t gm = geom_of(s);
   find_inboxes(s, g, b->id, epoch, false, EPXC_PH_LL_DISPATCH, to, why);
   LL_TRACE(); /* 1: thread 0 past the inbox search (the last threads') */
-  const int32_t planned = plan_shared(s, b, r, &ll->step[half ^ 1], half, bits, &gm);
+  const epxc_ll_step_t *prev = &ll->step[half ^ 1];
+  const int32_t planned = s->topk <= EPXC_FEW_SLOTS ? plan_shared<EPXC_FEW_SLOTS>(s, b, r, prev, half, bits, &gm)
+                                                    : plan_shared<EPXC_MAX_TOPK>(s, b, r, prev, half, bits, &gm);
   const int32_t found = inbox_status(why, s->nranks), status = found != EPX_SUCCESS ? found : planned;
   LL_TRACE(); /* 2: planned */
   const int64_t T = status == EPX_SUCCESS ? r->num_tokens : 0; /* refused: nothing of this rank is pushed */
