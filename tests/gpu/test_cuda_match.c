@@ -151,7 +151,9 @@ static const extra_t notify_sizes[] = {
 };
 
 /* Routings wider than top-8, after notify's sizes (the cases above stop at 8): up to the
- * CUDA backend's 16 slots, in every algorithm, both layouts and each routing form. */
+ * CUDA backend's 16 slots, in every algorithm, both layouts and each routing form. The
+ * kernels read and check a routing of topk <= 8 with a copy unrolled to 8 slots
+ * (EPXC_FEW_SLOTS), wider ones with the full copy: these cases run the full one. */
 static const extra_t wide[] = {
     {{4, 64, 16, 2048, 300, HT, TOK, 1, BF, BF, TU_FORM_TOPK32, 1, 1}, .route = GU_ROUTE_RANDOM},
     {{2, 32, 12, 2880, 200, HT, EXP, 16, F32, F32, TU_FORM_TOPK64, 0, 0}, .route = GU_ROUTE_RANDOM},
