@@ -111,8 +111,8 @@ static __device__ void build_word(const epxc_shape_t *s, epxc_plan_t *plan, cons
   const int64_t t = tw * EPXC_WARP + lane;
   uint64_t ranks = 0;
   if (t < r->num_tokens) {
-    int32_t ids[EPXC_MAX_TOPK];
-    float ws[EPXC_MAX_TOPK];
+    int32_t ids[SLOTS];
+    float ws[SLOTS];
     int bad = 0;
     const int st =
         read_route_in<SLOTS>(s, t, r->topk_idx, r->idx_dtype, r->topk_weights, r->routing_map, r->probs, ids, ws, &bad);

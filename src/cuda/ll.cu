@@ -340,8 +340,8 @@ static __device__ int32_t plan_shared(const epxc_shape_t *s, const epxc_ll_bufs_
   __shared__ unsigned long long bad_key;
   /* this thread's first token is read before the bitmaps are cleared: its round trip to memory
    * overlaps the clearing and the barrier (a decode step has a token a thread, or none) */
-  int32_t ids[EPXC_MAX_TOPK];
-  float ws[EPXC_MAX_TOPK];
+  int32_t ids[SLOTS];
+  float ws[SLOTS];
   int bad = 0, st = EPX_SUCCESS;
   int64_t t = threadIdx.x;
   if (t < T && T <= s->max_tokens) st = token_route<SLOTS>(s, b, r, half, t, ids, ws, &bad);
