@@ -305,7 +305,7 @@ static __device__ int32_t builds_done(const epxc_group_t *g, epxc_plan_t *plan, 
   return status;
 }
 
-/* One exclusive prefix sum for block_scans: of round_up(in[i], align), i < n, into starts
+/* One exclusive prefix sum for warp_scans: of round_up(in[i], align), i < n, into starts
  * (unless NULL). */
 typedef struct {
   const int32_t *in;
@@ -314,68 +314,51 @@ typedef struct {
 } scan_job_t;
 
 #define EPXC_SCAN_JOBS 4
-static_assert(EPXC_NOTIFY_THREADS / EPXC_WARP <= EPXC_WARP, "one warp scans a job's warp sums");
-static_assert(EPXC_SCAN_JOBS <= EPXC_NOTIFY_THREADS / EPXC_WARP, "a warp for each job's warp sums");
+static_assert(EPXC_SCAN_JOBS <= EPXC_NOTIFY_THREADS / EPXC_WARP, "a warp for each job");
 
-/* EPXC_SCAN_JOBS prefix sums at once, by the whole block in chunks of its size; the totals
- * (job j's in totals[j]) go to every thread. The jobs' shuffles interleave and they share
- * every barrier: the closing block runs this once, and four sums one after another cost it
- * four chains of shuffles and barriers (about 1.2 us each). */
-static __device__ void block_scans(const scan_job_t *jobs, int64_t *totals) {
-  __shared__ int64_t warp_base[EPXC_SCAN_JOBS][EPXC_NOTIFY_THREADS / EPXC_WARP];
-  __shared__ int64_t carry[EPXC_SCAN_JOBS];
-  const int lane = lane_id(), wid = threadIdx.x / EPXC_WARP, warps = blockDim.x / EPXC_WARP;
-  int n = 0;
+/* x (a count, >= 0) rounded up to a multiple of align (>= 1), in 32-bit arithmetic: both are
+ * below 2^31, so x + align - 1 fits 32 bits unsigned, and a 64-bit division is a long routine. */
+static __device__ __forceinline__ int64_t round_up_count(int32_t x, int align) {
+  if (align <= 1) return x;
+  const uint32_t a = (uint32_t)align;
+  return (int64_t)(((uint32_t)x + a - 1u) / a) * a;
+}
+
+/* EPXC_SCAN_JOBS prefix sums at once, job j by warp j: each lane sums a run of consecutive
+ * elements, one shuffle scan over the lanes' sums gives each run its start, and the lane
+ * writes its run's starts. The totals (job j's in totals[j]) go to every thread. The closing
+ * block runs this once per notify, on its critical path: a scan by the whole block in chunks
+ * of its size costs a chain of shuffles and barriers per chunk, and its four jobs' shuffles
+ * kept all 16 warps issuing, where here four warps work and the others wait at one barrier. */
+static __device__ void warp_scans(const scan_job_t *jobs, int64_t *totals) {
+  __shared__ int64_t total[EPXC_SCAN_JOBS];
+  const int lane = lane_id(), wid = threadIdx.x / EPXC_WARP;
+  if (wid < EPXC_SCAN_JOBS) {
+    const scan_job_t job = jobs[wid];
+    const int per = (job.n + EPXC_WARP - 1) / EPXC_WARP, lo = min(job.n, lane * per), hi = min(job.n, lo + per);
+    int64_t run = 0;
+#pragma unroll 1
+    for (int i = lo; i < hi; i++) run += round_up_count(job.in[i], job.align);
+    int64_t through = run;
 #pragma unroll
-  for (int j = 0; j < EPXC_SCAN_JOBS; j++) n = max(n, jobs[j].n);
-  if (threadIdx.x < EPXC_SCAN_JOBS) carry[threadIdx.x] = 0;
-  __syncthreads();
-  for (int base = 0; base < n; base += blockDim.x) {
-    const int i = base + threadIdx.x;
-    int64_t v[EPXC_SCAN_JOBS], inc[EPXC_SCAN_JOBS];
-#pragma unroll
-    for (int j = 0; j < EPXC_SCAN_JOBS; j++) {
-      const int64_t x = i < jobs[j].n ? jobs[j].in[i] : 0, a = jobs[j].align;
-      v[j] = a > 1 ? (x + a - 1) / a * a : x; /* a 64-bit division is a long routine: only where it rounds */
-      inc[j] = v[j];
+    for (int o = 1; o < EPXC_WARP; o <<= 1) {
+      const int64_t u = __shfl_up_sync(0xffffffffu, through, o);
+      if (lane >= o) through += u;
     }
-#pragma unroll
-    for (int o = 1; o < EPXC_WARP; o <<= 1)
-#pragma unroll
-      for (int j = 0; j < EPXC_SCAN_JOBS; j++) {
-        const int64_t u = __shfl_up_sync(0xffffffffu, inc[j], o);
-        if (lane >= o) inc[j] += u;
+    if (job.starts) {
+      int64_t at = through - run;
+#pragma unroll 1
+      for (int i = lo; i < hi; i++) {
+        job.starts[i] = at;
+        at += round_up_count(job.in[i], job.align);
       }
-    if (lane == EPXC_WARP - 1)
-#pragma unroll
-      for (int j = 0; j < EPXC_SCAN_JOBS; j++) warp_base[j][wid] = inc[j];
-    __syncthreads();
-    if (wid < EPXC_SCAN_JOBS) { /* warp j: job j's warp sums, exclusive */
-      const int64_t x = lane < warps ? warp_base[wid][lane] : 0;
-      int64_t xi = x;
-#pragma unroll
-      for (int o = 1; o < EPXC_WARP; o <<= 1) {
-        const int64_t u = __shfl_up_sync(0xffffffffu, xi, o);
-        if (lane >= o) xi += u;
-      }
-      if (lane < warps) warp_base[wid][lane] = xi - x;
     }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < EPXC_SCAN_JOBS; j++) {
-      const int64_t before = carry[j] + warp_base[j][wid] + inc[j] - v[j];
-      if (i < jobs[j].n && jobs[j].starts) jobs[j].starts[i] = before;
-      inc[j] = before + v[j]; /* through this element */
-    }
-    __syncthreads(); /* every thread has read carry */
-    if (threadIdx.x == blockDim.x - 1)
-#pragma unroll
-      for (int j = 0; j < EPXC_SCAN_JOBS; j++) carry[j] = inc[j];
-    __syncthreads();
+    if (lane == EPXC_WARP - 1) total[wid] = through;
   }
+  __syncthreads();
 #pragma unroll
-  for (int j = 0; j < EPXC_SCAN_JOBS; j++) totals[j] = carry[j];
-  __syncthreads(); /* before a next call sets carry again */
+  for (int j = 0; j < EPXC_SCAN_JOBS; j++) totals[j] = total[j];
+  __syncthreads(); /* before a next call sets total again */
 }
 
 /* This rank's receive budget over its local experts in ascending order (docs/design.md,
@@ -494,7 +477,7 @@ static __device__ int32_t gather_counts(const epxc_shape_t *s, const epxc_group_
 }
 
 /* The receive side, from every rank's counts in shared memory (a): every sum over ranks,
- * experts and rows is made there (the four prefix sums in one pass, block_scans), and the
+ * experts and rows is made there (the four prefix sums at once, warp_scans), and the
  * plan's arrays are written once at the end. */
 static __device__ void derive_receive_side(const epxc_shape_t *sp, epxc_plan_t *plan, const finish_arrays_t *a) {
   const epxc_shape_t s = *sp;
@@ -522,7 +505,7 @@ static __device__ void derive_receive_side(const epxc_shape_t *sp, epxc_plan_t *
   }
   __syncthreads();
   const int64_t dropped = apply_budget(&s, local);
-  if (s.ll) /* fixed blocks; block_scans' barriers publish them */
+  if (s.ll) /* fixed blocks; warp_scans' barrier publishes them */
     for (int l = tid; l < L; l += nt) block[l] = (int64_t)l * R * s.max_tokens;
   /* the rows' blocks (but in low-latency mode), the pairs here, the copies and the pairs sent */
   const scan_job_t jobs[EPXC_SCAN_JOBS] = {{local, block, s.ll ? 0 : L, s.align},
@@ -530,7 +513,7 @@ static __device__ void derive_receive_side(const epxc_shape_t *sp, epxc_plan_t *
                                            {own, plan->send_base, R, 1},
                                            {own + R, pair_send_base, E, 1}};
   int64_t totals[EPXC_SCAN_JOBS];
-  block_scans(jobs, totals);
+  warp_scans(jobs, totals);
   const int64_t rows = totals[0], num_pairs = totals[1], sent = totals[2], pairs_sent = totals[3];
   if (tid == 0) {
     int64_t recv = 0;
