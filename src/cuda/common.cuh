@@ -41,6 +41,25 @@ static __device__ __forceinline__ uint64_t ld_relaxed(const uint64_t *p) {
   return v;
 }
 
+/* GPU scope: for flags between the blocks of one rank's launch, which share its GPU. A release
+ * at system scope waits for this thread's writes to be visible to every device and the host
+ * (765 ns for a fence after a store against 444-455 at GPU scope: bench/RESULTS.md,
+ * 2026-12-06); what such a flag orders is read by blocks of the same GPU only, and what they
+ * then release at system scope to peers carries it along (causality is transitive). */
+static __device__ __forceinline__ void st_release_gpu(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ bool reached_gpu(const uint64_t *p, uint64_t target, uint32_t spin) {
+  uint64_t v;
+  if (spin > 0) {
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    if (v < target) return false;
+  }
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v >= target;
+}
+
 /* Whether *p >= target, read with acquire semantics when it is; `spin` counts the wait's earlier
  * looks. An acquire load at system scope is a load and an invalidation of the SM's whole L1
  * (CCTL.IVALL in the SASS, nvcc 13.0, sm_90), so a waiter polling by acquires empties the L1

@@ -210,12 +210,12 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
   for (int row = tid; row < rows; row += blockDim.x) sums[(int64_t)i * rows + row] = carry[row];
   __syncthreads();
   /* the barrier orders the block's sums before the release (as block_arrives_last's) */
-  if (tid == 0) st_release(&ready[i], launch);
+  if (tid == 0) st_release_gpu(&ready[i], launch);
   __shared__ int late;
   if (tid == 0) late = 0;
   __syncthreads();
   const uint64_t start = globaltimer_ns();
-  for (uint32_t spin = 0; tid < i && !reached(&ready[tid], launch, spin); spin++)
+  for (uint32_t spin = 0; tid < i && !reached_gpu(&ready[tid], launch, spin); spin++)
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
       late = 1;
       break;
@@ -268,7 +268,7 @@ static __device__ bool scan_ticket(const epxc_shape_t *s, const epxc_group_t *g,
  * to the closing block, which waits for all of them (builds_done). */
 static __device__ void build_arrives(epxc_scan_t *scan) {
   __syncthreads();
-  if (threadIdx.x == 0) asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(&scan->built) : "memory");
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(&scan->built) : "memory");
 }
 
 /* The closing block waits until every build ticket is done, then records the plan's send side
@@ -283,7 +283,7 @@ static __device__ int32_t builds_done(const epxc_group_t *g, epxc_plan_t *plan, 
   if (threadIdx.x == 0) {
     const uint64_t start = globaltimer_ns();
     bool late = false;
-    for (uint32_t spin = 0; !late && !reached(&scan->built, (uint64_t)builds, spin); spin++)
+    for (uint32_t spin = 0; !late && !reached_gpu(&scan->built, (uint64_t)builds, spin); spin++)
       late = (spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > 2 * g->timeout_ns;
     if (late) {
       record_error(g, EPX_ERR_TIMEOUT, EPXC_PH_NOTIFY, g->rank, (int64_t)(g->timeout_ns / 1000000));

@@ -146,11 +146,11 @@ static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t,
 
 /* ---- meeting ------------------------------------------------------------------------------- */
 
-/* Waits until *p >= target, on this rank's own memory. */
+/* Waits until *p >= target, on this rank's own memory, written by another block of this launch. */
 static __device__ bool wait_local(const epxc_group_t *g, const uint64_t *p, uint64_t target, int phase) {
   const uint64_t start = globaltimer_ns();
   for (uint32_t spin = 0;; spin++) {
-    if (reached(p, target, spin)) return true;
+    if (reached_gpu(p, target, spin)) return true;
     if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > g->timeout_ns) {
       record_error(g, EPX_ERR_TIMEOUT, phase, g->rank, (int64_t)(g->timeout_ns / 1000000));
       return false;
@@ -216,7 +216,7 @@ static __device__ __forceinline__ int32_t inbox_status(const int32_t *why, int n
 /* Block 0 lets the other blocks go on (also when it failed: they then see why and stop). */
 static __device__ void release_all(epxc_state_t *st, uint64_t epoch) {
   __syncthreads();
-  if (threadIdx.x == 0) st_release(&st->ll_ready, epoch);
+  if (threadIdx.x == 0) st_release_gpu(&st->ll_ready, epoch);
 }
 
 /* A block other than 0 reads the posts of exchange `epoch` itself (the parity of each in
@@ -241,7 +241,7 @@ static __device__ bool posts_fine(const epxc_group_t *g, uint64_t epoch, int pha
         came = true;
         break;
       }
-      if (reached(&me->ll_ready, epoch, spin)) break; /* block 0 decided first */
+      if (reached_gpu(&me->ll_ready, epoch, spin)) break; /* block 0 decided first */
       if ((spin & EPXC_POLL_MASK) == EPXC_POLL_MASK && globaltimer_ns() - start > 2 * g->timeout_ns) break;
     }
     LL_TRACE(); /* rank 0's flag seen */
