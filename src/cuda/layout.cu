@@ -640,9 +640,12 @@ static int notify_columns(int rows) {
 extern "C" int epxc_notify(const epxc_shape_t *s, const epxc_group_t *g, epxc_plan_t *plan_dev, epxc_scan_t *scan,
                            const epxc_route_t *r, const epxc_stamp_t *stamp, void *stream) {
   const int rows = s->nranks + s->num_experts, ncols = notify_columns(rows);
-  /* a build ticket's look-back gives each earlier ticket a thread: no more of them than threads;
-     the closing block waits most of its time, beside the budget's build blocks */
-  const int blocks = s->num_sms < EPXC_NOTIFY_THREADS ? s->num_sms : EPXC_NOTIFY_THREADS;
+  /* The closing block is one of the budget's blocks: ranks sharing a GPU within the
+     ranks x num_sms <= SM count rule then have every block resident at once (a budget of one
+     SM gets a build block and the closing block). A build ticket's look-back gives each
+     earlier ticket a thread: no more of them than threads. */
+  const int budget = s->num_sms > 1 ? s->num_sms - 1 : 1;
+  const int blocks = budget < EPXC_NOTIFY_THREADS ? budget : EPXC_NOTIFY_THREADS;
   /* a ticket's prefix popcounts wait in shared memory for its scan where they fit (scan_ticket) */
   const int64_t used = (r->num_tokens + EPXC_WARP - 1) / EPXC_WARP, per = (used + blocks - 1) / blocks;
   const size_t words = sizeof(uint32_t) * (size_t)ncols * rows + 2 * sizeof(int32_t) * rows,
