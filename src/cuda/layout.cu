@@ -74,7 +74,7 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
 
 /* ---- notify ------------------------------------------------------------------------------ */
 
-/* Notify is one launch of the SM budget's build blocks and one closing block. Blocks take
+/* Notify is one launch of build blocks and one closing block, the SM budget's blocks. Blocks take
  * tickets in the order they start. Build ticket i builds bitmap words [i * per, (i + 1) * per)
  * of every row (R rank rows, then E expert rows), a warp per word (32 tokens, a lane each), and
  * publishes its rows' popcounts over those words. Its prefix popcounts then need only the sums
