@@ -33,11 +33,12 @@ test-python: build
 	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
 	PYTHONPATH=python $(PYTHON) examples/train_moe.py
 
-# `pip install .` into a fresh venv, then the Python tests against the installed package.
+# `pip install .` into a fresh venv, then the Python tests against the installed package, run
+# from an empty folder: neither the checkout's python/ nor a stray module can be imported instead.
 test-install:
 	rm -rf /tmp/epx-venv && $(PYTHON) -m venv /tmp/epx-venv
 	/tmp/epx-venv/bin/pip install --progress-bar off -v . pytest  # -v: the build's progress, not a silent minute
-	cd /tmp && EPX_TEST_INSTALLED=1 /tmp/epx-venv/bin/python -m pytest $(CURDIR)/tests/python -q -p no:cacheprovider
+	cd "$$(mktemp -d)" && EPX_TEST_INSTALLED=1 /tmp/epx-venv/bin/python -m pytest $(CURDIR)/tests/python -q -p no:cacheprovider
 
 # The CUDA sources are left out here: no GPU runs them under the sanitizers anyway.
 test-sanitize:
