@@ -27,10 +27,17 @@ static __shared__ epxc_trace_t notify_trace_;
 #endif
 
 /* A token whose routing is refused counts nowhere and is in no rank; the refusal is this
- * rank's recoverable error, reported by epx_comm_synchronize. */
+ * rank's recoverable error, reported by epx_comm_synchronize. A block counts its tokens in
+ * shared memory and adds each of its nonzero counts to the output once: a global atomic per
+ * (token, expert) made every expert's counter a queue at its L2 slice. */
 static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, const void *topk_idx,
                                      epx_dtype_t idx_dtype, const uint8_t *map, int32_t *tokens_per_rank,
                                      int32_t *tokens_per_expert, uint8_t *is_token_in_rank) {
+  extern __shared__ int32_t layout_counts[]; /* [E] pairs per expert, then [R] tokens per rank */
+  int32_t *const per_expert = layout_counts, *const per_rank = layout_counts + s.num_experts;
+  const int counters = s.num_experts + s.nranks;
+  for (int i = threadIdx.x; i < counters; i += blockDim.x) layout_counts[i] = 0;
+  __syncthreads();
   int32_t ids[EPXC_MAX_TOPK];
   float ws[EPXC_MAX_TOPK];
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
@@ -46,7 +53,7 @@ static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, 
     for (int k = 0; k < EPXC_MAX_TOPK; k++) { /* compile-time slots: ids stay in registers */
       if (k >= s.topk || ids[k] < 0) continue;
       ranks |= 1ull << (ids[k] / s.num_local);
-      if (tokens_per_expert) atomicAdd(&tokens_per_expert[ids[k]], 1);
+      atomicAdd(&per_expert[ids[k]], 1);
     }
     /* the lanes here count their tokens per rank together: one atomic per rank, not per token */
     const unsigned mates = __activemask();
@@ -54,10 +61,15 @@ static __global__ void layout_kernel(epxc_shape_t s, epxc_group_t g, int64_t T, 
     for (int d = 0; d < s.nranks; d++) {
       const bool in = (ranks >> d) & 1;
       const unsigned n = __reduce_add_sync(mates, in ? 1u : 0u);
-      if (tokens_per_rank && leader && n) atomicAdd(&tokens_per_rank[d], (int32_t)n);
+      if (leader && n) atomicAdd(&per_rank[d], (int32_t)n);
       if (is_token_in_rank) is_token_in_rank[t * s.nranks + d] = in;
     }
   }
+  __syncthreads();
+  for (int e = threadIdx.x; tokens_per_expert && e < s.num_experts; e += blockDim.x)
+    if (per_expert[e]) atomicAdd(&tokens_per_expert[e], per_expert[e]);
+  for (int d = threadIdx.x; tokens_per_rank && d < s.nranks; d += blockDim.x)
+    if (per_rank[d]) atomicAdd(&tokens_per_rank[d], per_rank[d]);
 }
 
 extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t T, const void *topk_idx,
@@ -66,9 +78,10 @@ extern "C" int epxc_layout(const epxc_shape_t *s, const epxc_group_t *g, int64_t
   cudaStream_t st = (cudaStream_t)stream;
   if (tokens_per_rank) cudaMemsetAsync(tokens_per_rank, 0, sizeof(int32_t) * s->nranks, st);
   if (tokens_per_expert) cudaMemsetAsync(tokens_per_expert, 0, sizeof(int32_t) * s->num_experts, st);
+  const size_t counts = sizeof(int32_t) * (s->num_experts + s->nranks); /* at most 16.6 KB */
   if (T > 0)
-    layout_kernel<<<s->num_sms, EPXC_LAYOUT_THREADS, 0, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank,
-                                                              tokens_per_expert, is_token_in_rank);
+    layout_kernel<<<s->num_sms, EPXC_LAYOUT_THREADS, counts, st>>>(*s, *g, T, topk_idx, idx_dtype, map, tokens_per_rank,
+                                                                   tokens_per_expert, is_token_in_rank);
   return (int)cudaGetLastError();
 }
 
