@@ -7,7 +7,7 @@
 #   nvlink, scaling and nccl need 2+ GPUs;
 #   scaling sweeps the SM budget; sweep runs epx-bench's token and SM sweeps and plots them
 #   (tools/plot_bench.py); nccl is the NCCL all-to-all baseline of the nvlink shapes; sanitize
-#   runs compute-sanitizer memcheck over test_cuda_graph ht and ll and a subset of
+#   runs compute-sanitizer memcheck over test_cuda_graph ht and ll, test_cuda_layout and a subset of
 #   test_cuda_match (EPX_SANITIZE_CASES, indices as test_cuda_match takes them); compare runs
 #   the bench shapes (2 SMs a rank where the SMs bind, then 16) on another build,
 #   EPX_GPU_BUILD_BASE (a build, or a folder holding only a library), and this one, alternating
@@ -130,6 +130,7 @@ run() { # name, command...
 if want tests; then
   run test_cuda_faults timeout 180 "$build/tests/gpu/test_cuda_faults"
   run test_cuda_notify timeout 180 "$build/tests/gpu/test_cuda_notify"
+  run test_cuda_layout timeout 120 "$build/tests/gpu/test_cuda_layout"
   for mode in ht ll ll-split; do
     run "test_cuda_graph_$mode" timeout 180 "$build/tests/gpu/test_cuda_graph" "$mode"
   done
@@ -231,6 +232,7 @@ if asked sanitize; then
   cs="env EPX_TEST_TIMEOUT_MS=120000 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20"
   run sanitize-graph-ht timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ht 3
   run sanitize-graph-ll timeout 240 $cs "$build/tests/gpu/test_cuda_graph" ll 3
+  run sanitize-layout timeout 240 $cs "$build/tests/gpu/test_cuda_layout"
   run sanitize-match timeout 300 $cs "$build/tests/gpu/test_cuda_match" ${EPX_SANITIZE_CASES:-2,4,7,15,20,21,25,30}
 fi
 # The same bench shapes on two builds, alternating, so drift of the GPU's clocks hits both
