@@ -26,23 +26,8 @@ static const layout_case_t cases[] = {
     {4, 4096, 16, 8, 300, TU_FORM_MAP, -1},     {16, 64, 12, 2, 2049, TU_FORM_TOPK64, -1},
 };
 
-static const layout_case_t *cur;
 static tu_moe_t moe;
 static epx_world_t *world;
-
-static void *upload(const void *host, size_t bytes) {
-  void *d = NULL;
-  if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess) return NULL;
-  if (bytes) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
-  return d;
-}
-
-static void *poisoned(size_t bytes) {
-  void *d = NULL;
-  if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess) return NULL;
-  cudaMemset(d, TU_POISON, bytes ? bytes : 1);
-  return d;
-}
 
 /* Rank r's routing in the case's form, copied to the device: the same routing with device
  * pointers. */
@@ -50,11 +35,11 @@ static epx_routing_t device_routing(const layout_case_t *c, int r, void **owned)
   epx_routing_t rt = tu_routing(&moe, r, c->form);
   const int64_t T = c->T;
   if (c->form == TU_FORM_MAP) {
-    rt.routing_map = *owned = upload(moe.map[r], (size_t)T * c->E);
+    rt.routing_map = *owned = gu_upload(1, moe.map[r], (size_t)T * c->E);
     rt.probs = NULL;
   } else {
     const size_t idx = c->form == TU_FORM_TOPK64 ? sizeof(int64_t) : sizeof(int32_t);
-    rt.topk_idx = *owned = upload(rt.topk_idx, (size_t)T * c->K * idx);
+    rt.topk_idx = *owned = gu_upload(1, rt.topk_idx, (size_t)T * c->K * idx);
     rt.topk_weights = NULL;
   }
   return rt;
@@ -63,7 +48,7 @@ static epx_routing_t device_routing(const layout_case_t *c, int r, void **owned)
 /* Case i leaves out output i % 4 (3: none). */
 static epx_status_t rank_main(int r, void *arg) {
   const int i = *(const int *)arg;
-  const layout_case_t *c = cur;
+  const layout_case_t *c = &cases[i];
   const int R = c->R, E = c->E;
   const int64_t T = c->T;
   epx_config_t cfg = tu_config(E, 128, c->K, T > 0 ? (int)T : 1);
@@ -75,9 +60,9 @@ static epx_status_t rank_main(int r, void *arg) {
 
   void *owned = NULL;
   const epx_routing_t rt = device_routing(c, r, &owned);
-  int32_t *tpr = i % 4 == 0 ? NULL : poisoned(sizeof(int32_t) * R);
-  int32_t *tpe = i % 4 == 1 ? NULL : poisoned(sizeof(int32_t) * E);
-  uint8_t *in = i % 4 == 2 ? NULL : poisoned((size_t)T * R);
+  int32_t *tpr = i % 4 == 0 ? NULL : gu_alloc(1, sizeof(int32_t) * R); /* poisoned */
+  int32_t *tpe = i % 4 == 1 ? NULL : gu_alloc(1, sizeof(int32_t) * E);
+  uint8_t *in = i % 4 == 2 ? NULL : gu_alloc(1, (size_t)T * R);
   /* The uploads and the poison went to the legacy stream, which the comm's stream does not wait
      for; the layout waits on no peer, so waiting for the whole device here is safe. */
   cudaDeviceSynchronize();
@@ -87,29 +72,30 @@ static epx_status_t rank_main(int r, void *arg) {
 
   int32_t *want_tpr = calloc((size_t)R, sizeof(int32_t)), *want_tpe = calloc((size_t)E, sizeof(int32_t));
   uint8_t *want_in = calloc((size_t)T * R + 1, 1);
-  int32_t *got_tpr = calloc((size_t)R, sizeof(int32_t)), *got_tpe = calloc((size_t)E, sizeof(int32_t));
-  uint8_t *got_in = calloc((size_t)T * R + 1, 1);
   const epx_routing_t host = tu_routing(&moe, r, c->form);
   CHECK(epx_layout_counts(R, E, c->K, &host, want_tpr, want_tpe, want_in) == EPX_SUCCESS, "case %d: host counts: %s",
         i, epx_last_error());
   char what[96];
   if (tpr) {
-    cudaMemcpy(got_tpr, tpr, sizeof(int32_t) * R, cudaMemcpyDeviceToHost);
+    int32_t *got = gu_host_copy(1, tpr, sizeof(int32_t) * R);
     snprintf(what, sizeof what, "case %d rank %d tokens_per_rank", i, r);
-    CHECK_BITS(what, EPX_INT32, got_tpr, want_tpr, R, R);
+    CHECK_BITS(what, EPX_INT32, got, want_tpr, R, R);
+    free(got);
   }
   if (tpe) {
-    cudaMemcpy(got_tpe, tpe, sizeof(int32_t) * E, cudaMemcpyDeviceToHost);
+    int32_t *got = gu_host_copy(1, tpe, sizeof(int32_t) * E);
     snprintf(what, sizeof what, "case %d rank %d tokens_per_expert", i, r);
-    CHECK_BITS(what, EPX_INT32, got_tpe, want_tpe, E, E);
+    CHECK_BITS(what, EPX_INT32, got, want_tpe, E, E);
+    free(got);
   }
   if (in && T > 0) {
-    cudaMemcpy(got_in, in, (size_t)T * R, cudaMemcpyDeviceToHost);
-    CHECK(tu_first_diff(got_in, want_in, 1, T * R) < 0, "case %d rank %d: is_token_in_rank differs at %lld", i, r,
-          (long long)tu_first_diff(got_in, want_in, 1, T * R));
+    uint8_t *got = gu_host_copy(1, in, (size_t)T * R);
+    const int64_t at = tu_first_diff(got, want_in, 1, T * R);
+    CHECK(at < 0, "case %d rank %d: is_token_in_rank differs at %lld", i, r, (long long)at);
+    free(got);
   }
-  free(want_tpr), free(want_tpe), free(want_in), free(got_tpr), free(got_tpe), free(got_in);
-  cudaFree(owned), cudaFree(tpr), cudaFree(tpe), cudaFree(in);
+  free(want_tpr), free(want_tpe), free(want_in);
+  gu_free(1, owned), gu_free(1, tpr), gu_free(1, tpe), gu_free(1, in);
   epx_comm_destroy(comm);
   return EPX_SUCCESS;
 }
@@ -127,7 +113,6 @@ static void run_case(int i) {
   wc.backend = EPX_BACKEND_CUDA;
   wc.nranks = c->R;
   CHECK(epx_world_create(&wc, &world) == EPX_SUCCESS, "case %d: world: %s", i, epx_last_error());
-  cur = c;
   if (world) epx_run_ranks(c->R, rank_main, &i, NULL);
   printf("case %d: R=%d E=%d K=%d T=%lld sms=%d form=%d one_expert=%d\n", i, c->R, c->E, c->K, (long long)c->T,
          c->num_sms, c->form, c->one_expert);
