@@ -2,13 +2,34 @@
 on the queue it is given last; returns the payloads by rank, failing with every rank's error."""
 
 import multiprocessing as mp
+import random
 import socket
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's default 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port the ranks' rendezvous can listen on. It is drawn below the ephemeral range: a port
+    the kernel picked (bind to 0) can be taken by any outgoing connection, gloo's included,
+    before the rendezvous listens on it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low // 2, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low // 2}, {low})")
 
 
 def spawn_ranks(target, args_per_rank, timeout=240):
