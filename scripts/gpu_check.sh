@@ -167,9 +167,19 @@ if want bench; then
   run bench-ds3-fp8         $b --tokens 4096 --iters 10 --dtype fp8 --layout expert --align 128 --check
   run bench-ds3-a2a         $b --tokens 4096 --iters 10 --layout expert --align 128 --mode a2a --check
   # 32k prefill in the token layout: the baseline's send, staging and return buffers in the
-  # expert layout would need ~22 GB per rank, more than 8 ranks can have on one H200
-  run bench-prefill32k      $b --tokens 32768 --iters 5
+  # expert layout would need ~22 GB per rank, more than 8 ranks can have on one H200. The
+  # token layout's arena holds a few MiB: 1.5 GB a rank, not the default's 5, lets 8 ranks and
+  # the benchmark's buffers fit an 80 GB GPU
+  a32="env EPX_ARENA_MB=${EPX_ARENA_MB:-1536}"
+  run bench-prefill32k      $a32 $b --tokens 32768 --iters 5
+  run bench-prefill32k-fp8  $a32 $b --tokens 32768 --iters 5 --dtype fp8
   run bench-prefill32k-a2a  $b --tokens 32768 --iters 5 --mode a2a
+  # the expert layout's combine keeps ~3.8 GB of partials a rank in its arena: 8 ranks need
+  # about 110 GB, an H200's but not an H100's
+  if (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "${first%%,*}") > 100000)); then
+    run bench-prefill32k-expert $b --tokens 32768 --iters 5 --layout expert --align 128
+    run bench-prefill32k-expert-fp8 $b --tokens 32768 --iters 5 --dtype fp8 --layout expert --align 128
+  fi
   # where the SMs bind (2 per rank, 16 in all): bytes per SM-second against the copy kernels
   run bench-sm2-token       $b --tokens 4096 --iters 10 --num-sms 2 --check
   run bench-sm2-expert      $b --tokens 4096 --iters 10 --num-sms 2 --layout expert --align 128 --check
