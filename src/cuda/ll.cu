@@ -107,7 +107,8 @@ static __device__ __forceinline__ bool ll_first_block(void) { return blockIdx.x 
 
 /* A step has fewer rows than the launch has warps: rows that one warp would move alone
  * are cut into slices of whole 256-channel chunks (so fp8 blocks of 128 stay whole), as many
- * as keep every warp busy. Slice i of a row covers channels [i * width, min(H, (i+1) * width)).
+ * as keep every warp busy with per_warp items (more than one: the claimed walk, below).
+ * Slice i of a row covers channels [i * width, min(H, (i+1) * width)).
  * Rows are cut only when fewer than the warps (at most 2^15), so a walk that cuts has fewer
  * than 2^30 items and divides in 32 bits: a 64-bit division is a routine of about a hundred
  * instructions, on the critical path of every warp of a decode step. */
@@ -116,9 +117,9 @@ typedef struct {
   int count;
 } slicing_t;
 
-static __device__ slicing_t slicing(int64_t rows, int hidden) {
+static __device__ slicing_t slicing(int64_t rows, int hidden, int per_warp) {
   const uint32_t chunks = ((uint32_t)hidden + EPXC_CHUNK_CHANNELS - 1) / EPXC_CHUNK_CHANNELS;
-  const uint32_t warps = (uint32_t)warp_count();
+  const uint32_t warps = (uint32_t)warp_count() * (uint32_t)per_warp;
   uint32_t want = rows <= 0 || rows >= warps ? 1 : (warps + (uint32_t)rows - 1) / (uint32_t)rows;
   want = want > chunks ? chunks : want;
   if (want <= 1) return (slicing_t){(int)(chunks * EPXC_CHUNK_CHANNELS), 1}; /* a slice is its row */
@@ -138,6 +139,37 @@ static __device__ __forceinline__ slice_t slice_at(slicing_t sl, int hidden, int
   const int c = (int)((uint32_t)i - row * (uint32_t)sl.count) * sl.width;
   return (slice_t){(int64_t)row, c, min(sl.width, hidden - c)};
 }
+
+/* A claimed walk (the combine's partials): block b takes a contiguous run of the items, in
+ * ll_warp's order of blocks (a short walk leaves block 0, which runs the exchange's full
+ * wait, none), and its warps take them one at a time from a counter in shared memory, zeroed
+ * before a barrier that precedes the walk. The partials walk every (source, token) that may
+ * have come here, and at 8 ranks only about two in three did: dealt out beforehand, some
+ * warps got two rows and others none, and each block waited for its busiest warp. Claimed,
+ * in slices that give a warp about EPXC_LL_CLAIMS items, the 8-rank combine of 128 tokens
+ * took 11% less and the 2-rank one 6% (bench/RESULTS.md, 2026-12-07). The sums on the
+ * source, where every token has work, and the dispatch's placing stay dealt out: claimed,
+ * the sums lost 2-3 us at 2 ranks and the placing 2-6 us. */
+typedef struct {
+  int64_t first, end;
+} item_run_t;
+
+static __device__ __forceinline__ item_run_t block_run(int64_t items) {
+  const int64_t blocks = gridDim.x, order = blockIdx.x == 0 ? blocks - 1 : blockIdx.x - 1;
+  const int64_t per = (items + blocks - 1) / blocks, first = min(items, order * per);
+  return (item_run_t){first, min(items, first + per)}; /* a short walk leaves block 0 none */
+}
+
+/* The warp's next item of run (>= run.end: none left). */
+static __device__ __forceinline__ int64_t claim_item(unsigned int *taken, item_run_t run) {
+  unsigned int k = 0;
+  if (lane_id() == 0) k = atomicAdd(taken, 1u);
+  return run.first + __shfl_sync(0xffffffffu, k, 0);
+}
+
+/* Items a warp takes, on average, in a claimed walk (1, 2, 4 and 8 measured, with the sums
+ * claimed too: 4 was fastest at 8 ranks, 8 slowest at 2) */
+#define EPXC_LL_CLAIMS 4
 
 /* Byte offset of channel c of row t in a [*, hidden] array of type dt (where a slice starts). */
 static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t, int hidden, int64_t c) {
@@ -520,8 +552,8 @@ typedef struct {
   float weight;
 } arrival_t;
 
-static __device__ __forceinline__ slicing_t arrivals(const epxc_shape_t *s) {
-  return slicing((int64_t)s->nranks * s->max_tokens, s->hidden);
+static __device__ __forceinline__ slicing_t arrivals(const epxc_shape_t *s, int per_warp) {
+  return slicing((int64_t)s->nranks * s->max_tokens, s->hidden, per_warp);
 }
 
 /* Item i: false when its token did not come here. The record is read with lane j taking
@@ -561,7 +593,7 @@ static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, co
   const int H = s->hidden, lane = lane_id();
   const bool fp8 = a->recv_dtype == EPX_FP8_E4M3, scaled = a->scale_by_probs != 0;
   const epx_dtype_t stage_dtype = scaled ? a->x_dtype : a->recv_dtype;
-  const slicing_t sl = arrivals(s);
+  const slicing_t sl = arrivals(s, 1);
   for (int64_t i = ll_warp(); i < (int64_t)s->nranks * s->max_tokens * sl.count; i += warp_count()) {
     arrival_t x;
     if (!arrival_at(s, gm, b, parity, base, sl, i, &x)) continue;
@@ -622,7 +654,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
     push_headers(s, &gm, b, half, T, bits, to);
     if (threadIdx.x == 0) ll->step[half].num_tokens = T, ll->step[half].status = status;
   }
-  const slicing_t sl = slicing(T, s->hidden);
+  const slicing_t sl = slicing(T, s->hidden, 1);
   for (int64_t i = ll_warp(); i < T * sl.count; i += warp_count()) {
     const slice_t x = slice_at(sl, s->hidden, i);
     push_token(s, &gm, b, r, a, half, x.row, x.c, x.w, bits, to);
@@ -689,10 +721,12 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, co
  * local expert, as the contract orders them; the first slice's warp also writes the row
  * weight gradients of its slots there. */
 static __device__ void push_partials(const epxc_shape_t *s, const ll_geom_t *gm, const epxc_ll_bufs_t *b, int pd,
-                                     int half, const epxc_combine_t *a, const int *parity, char *const *to) {
+                                     int half, const epxc_combine_t *a, const int *parity, char *const *to,
+                                     unsigned int *taken) {
   const int H = s->hidden, R = s->nranks, K = s->topk, lane = lane_id();
-  const slicing_t sl = arrivals(s);
-  for (int64_t i = ll_warp(); i < (int64_t)R * s->max_tokens * sl.count; i += warp_count()) {
+  const slicing_t sl = arrivals(s, EPXC_LL_CLAIMS);
+  const item_run_t run = block_run((int64_t)R * s->max_tokens * sl.count);
+  for (int64_t i = claim_item(taken, run); i < run.end; i = claim_item(taken, run)) {
     arrival_t x;
     if (!arrival_at(s, gm, b, parity, b->recv_base[pd], sl, i, &x) || !to[x.q]) continue;
     const int c = x.c, w = x.w, m = x.m, k = x.k;
@@ -721,7 +755,7 @@ static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, co
   const int H = s->hidden, R = s->nranks, K = s->topk, lane = lane_id();
   const int64_t T = b->dev->step[pd].num_tokens;
   const uint32_t *rank_bits = b->rank_bits[pd];
-  const slicing_t sl = slicing(T, H);
+  const slicing_t sl = slicing(T, H, 1);
   for (int64_t i = ll_warp(); i < T * sl.count; i += warp_count()) {
     const slice_t x = slice_at(sl, H, i);
     const int64_t t = x.row;
@@ -759,6 +793,8 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
   const uint64_t epoch = complete ? sent_epoch : seq0 + 1;
   const ll_geom_t gm = geom_of(&s);
   __shared__ int parity[EPX_MAX_RANKS];
+  __shared__ unsigned int taken; /* the partials' items claimed (zeroed before the barrier below) */
+  if (threadIdx.x == 0) taken = 0;
   if (!complete) {
     /* A refused dispatch is refused on every rank: all skip the work but still meet, so a rank
      * that fails its arguments (and only posts) meets them too. */
@@ -770,7 +806,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
     LL_TRACE(); /* 1: thread 0 past the inbox search (the last threads') */
     __syncthreads();
     const int32_t found = inbox_status(why, s.nranks), refused = found != EPX_SUCCESS ? found : dispatched;
-    if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to);
+    if (refused == EPX_SUCCESS) push_partials(&s, &gm, &b, pd, (int)(calls & 1), &a, parity, to, &taken);
     LL_TRACE(); /* 2: partials pushed */
     if (block_arrives_last(&st->ll_arrivals)) {
       const uint64_t posted = post_ll(&g, EPXC_PH_LL_COMBINE, refused, (int)(calls & 1), stamp, epoch);
