@@ -149,7 +149,7 @@ static __device__ __forceinline__ slice_t slice_at(slicing_t sl, int hidden, int
  * in slices that give a warp about EPXC_LL_CLAIMS items, the 8-rank combine of 128 tokens
  * took 11% less and the 2-rank one 6% (bench/RESULTS.md, 2026-12-07). The sums on the
  * source, where every token has work, and the dispatch's placing stay dealt out: claimed,
- * the sums lost 2-3 us at 2 ranks and the placing 2-6 us. */
+ * the sums lost 2-4 us at 2 ranks x 128 tokens and the placing 2-6 us. */
 typedef struct {
   int64_t first, end;
 } item_run_t;
