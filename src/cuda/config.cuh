@@ -24,6 +24,9 @@
  * registers each, fill an SM exactly. */
 #define EPXC_LL_THREADS 512
 #define EPXC_LL_BLOCKS_PER_SM 2
+/* Items a warp takes, on average, in the low-latency combine's claimed walk (ll.cu; 1, 2, 4
+ * and 8 measured with the sums claimed too: 4 was fastest at 8 ranks, 8 slowest at 2) */
+#define EPXC_LL_CLAIMS 4
 #define EPXC_EXCHANGE_THREADS 64    /* the one-block exchange kernel: thread r talks to rank r */
 #define EPXC_LAYOUT_THREADS 256     /* layout: a thread per token */
 #define EPXC_NOTIFY_THREADS 512     /* notify: a warp builds a bitmap word (32 tokens); its last block

@@ -167,10 +167,6 @@ static __device__ __forceinline__ int64_t claim_item(unsigned int *taken, item_r
   return run.first + __shfl_sync(0xffffffffu, k, 0);
 }
 
-/* Items a warp takes, on average, in a claimed walk (1, 2, 4 and 8 measured, with the sums
- * claimed too: 4 was fastest at 8 ranks, 8 slowest at 2) */
-#define EPXC_LL_CLAIMS 4
-
 /* Byte offset of channel c of row t in a [*, hidden] array of type dt (where a slice starts). */
 static __device__ __forceinline__ size_t slice_offset(epx_dtype_t dt, int64_t t, int hidden, int64_t c) {
   return ((size_t)t * hidden + (size_t)c) * dtype_bytes(dt);
