@@ -286,7 +286,12 @@ static epx_status_t run_rank(int rank, void *arg) {
           *ridx = dev->alloc(sizeof(int32_t) * rows * K);
   float *w = dev->alloc(sizeof(float) * T * K), *scales = dev->alloc(sizeof(float) * rows * fp8_blocks(H)),
         *rw = dev->alloc(sizeof(float) * rows * K), *probs = dev->alloc(sizeof(float) * rows);
-  void *recv_x = dev->alloc((size_t)rows * H * esize(o->recv_dtype)), *y = dev->alloc((size_t)rows * H * esize(o->x_dtype));
+  /* The stand-in experts write their outputs over recv_x where the types match, as a fused
+   * expert may (each element is read before it is written): 8 ranks of 32k tokens in the
+   * expert layout then fit an 80 GB GPU. */
+  const bool y_in_place = o->recv_dtype == o->x_dtype;
+  void *recv_x = dev->alloc((size_t)rows * H * esize(o->recv_dtype));
+  void *y = y_in_place ? recv_x : dev->alloc((size_t)rows * H * esize(o->x_dtype));
   int32_t *counts_host = calloc(L, sizeof(int32_t));
   dev->upload(x, b->x[rank], (size_t)T * H * esize(o->x_dtype));
   dev->upload(idx, b->idx[rank], sizeof(int32_t) * T * K);
@@ -353,7 +358,7 @@ done:
   if (graph) dev->graph_destroy(graph);
   epx_handle_destroy(l.handle);
   epx_comm_destroy(l.comm);
-  void *bufs[] = {x, out, idx, per_rank, per_expert, counts, ridx, w, scales, rw, probs, recv_x, y};
+  void *bufs[] = {x, out, idx, per_rank, per_expert, counts, ridx, w, scales, rw, probs, recv_x, y_in_place ? NULL : y};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) dev->release(bufs[i]);
   for (int i = 0; i <= PH_COUNT; i++)
     if (l.ev[i]) dev->event_destroy(l.ev[i]);
