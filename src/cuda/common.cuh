@@ -319,6 +319,13 @@ static __device__ __forceinline__ uint32_t quotient(epxc_divisor_t v, uint32_t n
   return v.magic ? __umulhi(n, v.magic) : n;
 }
 
+/* Where part i of `parts` starts when n items are cut into contiguous runs of ceil(n / parts)
+ * (n when the runs end before it): part i owns [run_first(n, parts, i), run_first(n, parts, i + 1)). */
+static __device__ __forceinline__ int64_t run_first(int64_t n, int64_t parts, int64_t i) {
+  const int64_t per = (n + parts - 1) / parts, first = i * per;
+  return first < n ? first : n;
+}
+
 /* ---- warp helpers ------------------------------------------------------------------------ */
 
 static __device__ __forceinline__ int lane_id(void) { return threadIdx.x & (EPXC_WARP - 1); }

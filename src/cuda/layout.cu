@@ -104,13 +104,6 @@ static __device__ __forceinline__ int32_t *scan_sums(epxc_scan_t *scan, int bloc
   return (int32_t *)(scan_ready(scan) + blocks);
 }
 
-/* Where the ticket `i` of `blocks` starts in a plan of `used` words, and the words it owns. */
-static __device__ __forceinline__ int64_t ticket_first(int64_t used, int blocks, int i) {
-  const int64_t per = (used + blocks - 1) / blocks;
-  const int64_t first = (int64_t)i * per;
-  return first < used ? first : used;
-}
-
 /* Bitmap word `tw` of every row into col[rows] (shared memory), from the warp's 32 tokens, a
  * lane each, whose routings are normalised into the plan on the way. A refused token sets no
  * bit; the first one's key (token << 16 | slot << 8 | status) is kept in *bad_key. SLOTS
@@ -632,7 +625,7 @@ static __global__ void __launch_bounds__(EPXC_NOTIFY_THREADS)
   int32_t *off = carry + rows;                                /* [rows]: the earlier tickets' */
   int32_t *const pend = keep_pre ? off + rows : NULL;         /* [words, rows]: the ticket's prefix popcounts */
   const int64_t used = (r.num_tokens + EPXC_WARP - 1) / EPXC_WARP;
-  const int64_t first = ticket_first(used, builds, ticket), last = ticket_first(used, builds, ticket + 1);
+  const int64_t first = run_first(used, builds, ticket), last = run_first(used, builds, ticket + 1);
   build_ticket(&s, plan, &r, scan, first, last, ncols, cols, carry, pend);
   NOTIFY_TRACE(); /* 1: built */
   if (!scan_ticket(&s, &g, plan, scan, launch, ticket, builds, first, last, carry, off, pend) && threadIdx.x == 0) {
