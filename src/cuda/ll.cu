@@ -155,9 +155,8 @@ typedef struct {
 } item_run_t;
 
 static __device__ __forceinline__ item_run_t block_run(int64_t items) {
-  const int64_t blocks = gridDim.x, order = blockIdx.x == 0 ? blocks - 1 : blockIdx.x - 1;
-  const int64_t per = (items + blocks - 1) / blocks, first = min(items, order * per);
-  return (item_run_t){first, min(items, first + per)}; /* a short walk leaves block 0 none */
+  const int64_t order = blockIdx.x == 0 ? gridDim.x - 1 : blockIdx.x - 1;
+  return (item_run_t){run_first(items, gridDim.x, order), run_first(items, gridDim.x, order + 1)};
 }
 
 /* The warp's next item of run (>= run.end: none left). */
