@@ -94,12 +94,16 @@ static __device__ void copy_row_raw(const void *src, void *const *dst, int m, in
       int64_t i = base + u * EPXC_WARP + lane;
       if (i < n) v[u] = in[i];
     }
-    for (int j = 0; j < m; j++)
+    for (int j = 0; j < m; j++) {
+      /* read once a row: a generic store may alias the local array dst lives in, so
+       * dst[j] in the loop below would be loaded again before every store */
+      uint4 *const out = (uint4 *)dst[j];
 #pragma unroll
       for (int u = 0; u < EPXC_UNROLL; u++) {
         int64_t i = base + u * EPXC_WARP + lane;
-        if (i < n) ((uint4 *)dst[j])[i] = v[u];
+        if (i < n) out[i] = v[u];
       }
+    }
   }
 }
 
