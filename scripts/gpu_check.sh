@@ -176,8 +176,8 @@ if want bench; then
   run bench-prefill32k-a2a  $b --tokens 32768 --iters 5 --mode a2a
   # the expert layout's combine keeps ~3.8 GB of partials a rank in its arena (4 GB a rank):
   # with the stand-in's outputs over recv_x, 8 ranks need about 73 GB in bf16 (estimated from the
-  # buffers, not yet run on an 80 GB GPU). fp8 keeps y (bf16) apart from its fp8 rows: about
-  # 88 GB, an H200's but not an H100's
+  # buffers; it ran on an 80 GB H100 on 2026-12-07). fp8 keeps y (bf16) apart from its fp8 rows:
+  # about 88 GB, an H200's but not an H100's
   a32e="env EPX_ARENA_MB=${EPX_ARENA_MB:-4096}"
   run bench-prefill32k-expert $a32e $b --tokens 32768 --iters 5 --layout expert --align 128
   if (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "${first%%,*}") > 100000)); then
