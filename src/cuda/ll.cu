@@ -94,12 +94,16 @@ static __device__ __forceinline__ char *region_of(char *inbox, size_t region, in
   return inbox + ((size_t)half * R + q) * region;
 }
 
-/* A warp's place in the walks over rows: block 0's warps come last. Block 0 writes the
- * headers before it pushes and runs the exchange's full wait while the other blocks go on
- * (meet), so a step with fewer items than the other blocks have warps leaves it none. */
+/* A block's place in the walks over rows: block 0 comes last. Block 0 writes the headers
+ * before it pushes and runs the exchange's full wait while the other blocks go on (meet), so
+ * a step with fewer items than the other blocks have warps leaves it none. */
+static __device__ __forceinline__ int64_t ll_block_order(void) {
+  return blockIdx.x == 0 ? gridDim.x - 1 : blockIdx.x - 1;
+}
+
+/* A warp's place in those walks: its block's warps in ll_block_order. */
 static __device__ __forceinline__ int64_t ll_warp(void) {
-  const int64_t order = blockIdx.x == 0 ? gridDim.x - 1 : blockIdx.x - 1;
-  return order * (blockDim.x / EPXC_WARP) + threadIdx.x / EPXC_WARP;
+  return ll_block_order() * (blockDim.x / EPXC_WARP) + threadIdx.x / EPXC_WARP;
 }
 
 /* Whether this block comes first in that order (block 1, or block 0 when it is alone). */
@@ -141,7 +145,7 @@ static __device__ __forceinline__ slice_t slice_at(slicing_t sl, int hidden, int
 }
 
 /* A claimed walk (the combine's partials): block b takes a contiguous run of the items, in
- * ll_warp's order of blocks (a short walk leaves block 0, which runs the exchange's full
+ * ll_block_order (a short walk leaves block 0, which runs the exchange's full
  * wait, none), and its warps take them one at a time from a counter in shared memory, zeroed
  * before a barrier that precedes the walk. The partials walk every (source, token) that may
  * have come here, and at 8 ranks only about two in three did: dealt out beforehand, some
@@ -155,7 +159,7 @@ typedef struct {
 } item_run_t;
 
 static __device__ __forceinline__ item_run_t block_run(int64_t items) {
-  const int64_t order = blockIdx.x == 0 ? gridDim.x - 1 : blockIdx.x - 1;
+  const int64_t order = ll_block_order();
   return (item_run_t){run_first(items, gridDim.x, order), run_first(items, gridDim.x, order + 1)};
 }
 
