@@ -45,9 +45,8 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
   const bool scaled = a.scale_by_probs && s.expert_layout, raw = a.recv_dtype == a.x_dtype && !scaled;
   const int64_t T = plan->num_tokens, W = plan->words;
   for (int64_t t = warp_global(); t < T; t += warp_count()) {
-    void *dst[EPXC_MAX_TOPK];
-    float *dscale[EPXC_MAX_TOPK];
-    float factor[EPXC_MAX_TOPK];
+    void *dst = NULL; /* lane j < m: the j-th send row, its scales and factor (copy_row_raw) */
+    float *dscale = NULL, factor = 0.0f;
     int m = 0;
     if (!s.expert_layout) {
       for (int d = 0; d < R; d++) {
@@ -55,9 +54,12 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
         if (!bit_set(bits, t)) continue;
         const int64_t row = plan->send_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
         if (lane == 0) b.send_token[row] = (int32_t)t;
-        dst[m] = row_at_mut(b.send_x, a.recv_dtype, row, H);
-        dscale[m] = fp8 ? b.send_scales + row * blocks : NULL;
-        factor[m++] = 1.0f;
+        if (lane == m) {
+          dst = row_at_mut(b.send_x, a.recv_dtype, row, H);
+          dscale = fp8 ? b.send_scales + row * blocks : NULL;
+          factor = 1.0f;
+        }
+        m++;
       }
     } else {
       for (int k = 0; k < K; k++) {
@@ -66,9 +68,12 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
         const int64_t row = plan->pair_send_base[e] +
                             bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
         if (lane == 0) b.send_weight[row] = plan->weight[t * K + k];
-        dst[m] = row_at_mut(b.send_x, a.recv_dtype, row, H);
-        dscale[m] = fp8 ? b.send_scales + row * blocks : NULL;
-        factor[m++] = plan->weight[t * K + k];
+        if (lane == m) {
+          dst = row_at_mut(b.send_x, a.recv_dtype, row, H);
+          dscale = fp8 ? b.send_scales + row * blocks : NULL;
+          factor = plan->weight[t * K + k];
+        }
+        m++;
       }
     }
     const void *in = row_at(a.x, a.x_dtype, t, H);

@@ -99,9 +99,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) dispatch_token_kernel(epx
       if (CONVERT) {
         convert_row_ring<X>(ring, in, a.recv_dtype, s.hidden, dst, dscale, factor, scaled, m);
       } else {
-        void *rows[EPXC_MAX_TOPK];
-        for (int j = 0; j < m; j++) rows[j] = lane_ptr(dst, j);
-        copy_row_raw(in, rows, m, row_bytes);
+        copy_row_raw(in, dst, m, row_bytes);
       }
     }
   }

@@ -469,8 +469,8 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
   if (c == 0 && lane < K) b->idx[half][t * K + lane] = e, b->weight[half][t * K + lane] = wt;
   const int d = e >= 0 ? (int)quotient(gm->local, e) : -1, l = e >= 0 ? e - d * L : 0;
   const int32_t ord = e >= 0 ? rank_in_row(bits + (int64_t)e * gm->W, t) : 0;
-  void *dst[EPXC_MAX_TOPK];
-  float *dscale[EPXC_MAX_TOPK];
+  void *dst = NULL; /* lane j < m: the j-th destination's slice and scales (copy_row_raw) */
+  float *dscale = NULL;
   int m = 0;
   for (unsigned todo = __ballot_sync(0xffffffffu, e >= 0); todo;) {
     const int dd = __shfl_sync(0xffffffffu, d, __ffs(todo) - 1);
@@ -487,16 +487,17 @@ static __device__ void push_token(const epxc_shape_t *s, const ll_geom_t *gm, co
       meta->weight[pos] = wt;
     }
     if (c == 0 && lane == 0) meta->n = __popc(group);
-    dst[m] = region + gm->y.rows + slice_offset(stage_dtype, t, H, c);
-    dscale[m] = fp8 && !scaled ? (float *)(region + gm->y.scales) + t * gm->blocks + c / EPX_FP8_BLOCK : NULL;
+    if (lane == m) {
+      dst = region + gm->y.rows + slice_offset(stage_dtype, t, H, c);
+      dscale = fp8 && !scaled ? (float *)(region + gm->y.scales) + t * gm->blocks + c / EPX_FP8_BLOCK : NULL;
+    }
     m++;
   }
   const void *in = (const char *)a->x + slice_offset(a->x_dtype, t, H, c);
-  const float one[1] = {1.0f}; /* unread: these copies are not scaled */
   if (stage_dtype == a->x_dtype)
     copy_row_raw(in, dst, m, w * (int64_t)dtype_bytes(a->x_dtype));
   else
-    convert_row(in, a->x_dtype, stage_dtype, w, dst, dscale, one, 0, m);
+    convert_row(in, a->x_dtype, stage_dtype, w, dst, dscale, 1.0f, 0, m);
 }
 
 /* ---- dispatch: placing (every block, after the exchange) ------------------------------------ */
@@ -600,25 +601,21 @@ static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, co
     const int64_t t = x.t, my_row = x.row;
     const float my_w = x.weight;
     const char *region = x.region;
-    void *dst[EPXC_MAX_TOPK];
-    float *dscale[EPXC_MAX_TOPK];
-    float factor[EPXC_MAX_TOPK];
-    for (int j = 0; j < m; j++) {
-      const int64_t row = __shfl_sync(0xffffffffu, my_row, j);
-      factor[j] = __shfl_sync(0xffffffffu, my_w, j);
-      dst[j] = row_at_mut(a->recv_x, a->recv_dtype, row * H + c, 1);
-      dscale[j] = fp8 ? a->recv_scales + row * gm->blocks + c / EPX_FP8_BLOCK : NULL;
-    }
+    /* lane j < m: the j-th slot's slice and scales here (copy_row_raw) */
+    void *const dst = row_at_mut(a->recv_x, a->recv_dtype, my_row * H + c, 1);
+    float *const dscale = fp8 ? a->recv_scales + my_row * gm->blocks + c / EPX_FP8_BLOCK : NULL;
     if (c == 0 && lane < m && a->recv_probs) a->recv_probs[my_row] = my_w;
     const void *in = region + gm->y.rows + slice_offset(stage_dtype, t, H, c);
     if (scaled || stage_dtype != a->recv_dtype) { /* scaled copies, staged in x's type */
-      convert_row(in, stage_dtype, a->recv_dtype, w, dst, dscale, factor, scaled, m);
+      convert_row(in, stage_dtype, a->recv_dtype, w, dst, dscale, my_w, scaled, m);
     } else {
       copy_row_raw(in, dst, m, (int64_t)w * dtype_bytes(a->recv_dtype));
       const float *scales = (const float *)(region + gm->y.scales) + t * gm->blocks + c / EPX_FP8_BLOCK;
       const int n = (w + EPX_FP8_BLOCK - 1) / EPX_FP8_BLOCK;
-      for (int j = 0; fp8 && j < m; j++)
-        for (int x = lane; x < n; x += EPXC_WARP) dscale[j][x] = scales[x];
+      for (int j = 0; fp8 && j < m; j++) {
+        float *const sj = lane_ptr(dscale, j);
+        for (int x = lane; x < n; x += EPXC_WARP) sj[x] = scales[x];
+      }
     }
   }
 }

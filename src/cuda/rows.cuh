@@ -82,8 +82,11 @@ static __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, flo
   return lo | hi << 16;
 }
 
-/* Copies a row unchanged to m destinations (the common case: same type, no scaling). */
-static __device__ void copy_row_raw(const void *src, void *const *dst, int m, int64_t bytes) {
+/* Copies a row unchanged to m destinations (the common case: same type, no scaling); lane j < m
+ * holds destination j. Destinations travel by shuffles, not in a local array: a generic store
+ * may alias local memory, so a row's address read from one waits behind the stores before it,
+ * and an acquiring fence empties L1, which sends such reads on to L2. */
+static __device__ void copy_row_raw(const void *src, void *dst, int m, int64_t bytes) {
   const uint4 *in = (const uint4 *)src;
   const int64_t n = bytes / 16;
   const int lane = lane_id();
@@ -95,9 +98,7 @@ static __device__ void copy_row_raw(const void *src, void *const *dst, int m, in
       if (i < n) v[u] = in[i];
     }
     for (int j = 0; j < m; j++) {
-      /* read once a row: a generic store may alias the local array dst lives in, so
-       * dst[j] in the loop below would be loaded again before every store */
-      uint4 *const out = (uint4 *)dst[j];
+      uint4 *const out = (uint4 *)lane_ptr(dst, j);
 #pragma unroll
       for (int u = 0; u < EPXC_UNROLL; u++) {
         int64_t i = base + u * EPXC_WARP + lane;
@@ -108,10 +109,11 @@ static __device__ void copy_row_raw(const void *src, void *const *dst, int m, in
 }
 
 /* Converts a row to m destinations, each scaled by its factor (1 leaves it as is), in the
- * receive type; fp8 rows get one scale per 128 channels. Otherwise a lane loads two 8-channel
- * chunks before it converts either, so two loads are in flight. */
+ * receive type; fp8 rows get one scale per 128 channels. Lane j < m holds destination j, its
+ * scales and its factor (as copy_row_raw). Otherwise a lane loads two 8-channel chunks before
+ * it converts either, so two loads are in flight. */
 static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dtype_t recv_dtype, int hidden,
-                                   void *const *dst, float *const *scales, const float *factor, int scaled, int m) {
+                                   void *dst, float *scales, float factor, int scaled, int m) {
   const int lane = lane_id();
   if (recv_dtype == EPX_FP8_E4M3) {
     /* 16 lanes x 8 channels = one 128-channel block; a warp covers two. One chunk at a time:
@@ -122,10 +124,13 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
       float x[8];
       if (live) load8(src, x_dtype, c, x);
       for (int j = 0; j < m; j++) {
+        const float fj = __shfl_sync(0xffffffffu, factor, j);
+        uint8_t *const dj = (uint8_t *)lane_ptr(dst, j);
+        float *const sj = lane_ptr(scales, j);
         float v[8], amax = 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-          v[i] = live ? (scaled ? __fmul_rn(factor[j], x[i]) : x[i]) : 0.0f;
+          v[i] = live ? (scaled ? __fmul_rn(fj, x[i]) : x[i]) : 0.0f;
           amax = fmaxf(amax, fabsf(v[i]));
         }
 #pragma unroll
@@ -136,35 +141,44 @@ static __device__ void convert_row(const void *src, epx_dtype_t x_dtype, epx_dty
           uint32_t q[2] = {0, 0};
 #pragma unroll
           for (int i = 0; i < 8; i++) q[i / 4] |= (uint32_t)float_to_e4m3(__fmul_rn(v[i], sc)) << (8 * (i % 4));
-          *(uint2 *)((uint8_t *)dst[j] + c) = make_uint2(q[0], q[1]);
-          if ((lane & (EPXC_FP8_BLOCK_LANES - 1)) == 0) scales[j][c / EPX_FP8_BLOCK] = __fdiv_rn(a, EPXC_FP8_MAX);
+          *(uint2 *)(dj + c) = make_uint2(q[0], q[1]);
+          if ((lane & (EPXC_FP8_BLOCK_LANES - 1)) == 0) sj[c / EPX_FP8_BLOCK] = __fdiv_rn(a, EPXC_FP8_MAX);
         }
       }
     }
     return;
   }
+  /* the whole warp runs every pass (the shuffles), a lane's channels guarded */
   const int64_t vec_end = hidden / EPXC_LANE_CHANNELS * EPXC_LANE_CHANNELS;
-  for (int64_t c0 = EPXC_LANE_CHANNELS * lane; c0 < vec_end; c0 += 2 * EPXC_CHUNK_CHANNELS) {
-    const bool second = c0 + EPXC_CHUNK_CHANNELS < vec_end;
+  for (int64_t base = 0; base < vec_end; base += 2 * EPXC_CHUNK_CHANNELS) {
+    const int64_t c0 = base + EPXC_LANE_CHANNELS * lane;
+    const bool live[2] = {c0 < vec_end, c0 + EPXC_CHUNK_CHANNELS < vec_end};
     raw8_t raw[2];
-    raw[0] = load_raw8(src, x_dtype, c0);
-    if (second) raw[1] = load_raw8(src, x_dtype, c0 + EPXC_CHUNK_CHANNELS);
+    if (live[0]) raw[0] = load_raw8(src, x_dtype, c0);
+    if (live[1]) raw[1] = load_raw8(src, x_dtype, c0 + EPXC_CHUNK_CHANNELS);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-      if (h == 1 && !second) break;
+      if (h == 1 && base + EPXC_CHUNK_CHANNELS >= vec_end) break; /* no lane has a second chunk */
       float x[8];
-      widen8(raw[h], x_dtype, x);
+      if (live[h]) widen8(raw[h], x_dtype, x);
       for (int j = 0; j < m; j++) {
+        const float fj = __shfl_sync(0xffffffffu, factor, j);
+        void *const dj = lane_ptr(dst, j);
         float v[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(factor[j], x[i]) : x[i];
-        store8(dst[j], recv_dtype, c0 + EPXC_CHUNK_CHANNELS * h, v);
+        for (int i = 0; i < 8; i++) v[i] = scaled ? __fmul_rn(fj, x[i]) : x[i];
+        if (live[h]) store8(dj, recv_dtype, c0 + EPXC_CHUNK_CHANNELS * h, v);
       }
     }
   }
-  for (int64_t c = vec_end + lane; c < hidden; c += EPXC_WARP) {
-    float x = load1(src, x_dtype, c);
-    for (int j = 0; j < m; j++) store1(dst[j], recv_dtype, c, scaled ? __fmul_rn(factor[j], x) : x);
+  for (int64_t c0 = vec_end; c0 < hidden; c0 += EPXC_WARP) {
+    const int64_t c = c0 + lane;
+    const float x = c < hidden ? load1(src, x_dtype, c) : 0.0f;
+    for (int j = 0; j < m; j++) {
+      const float fj = __shfl_sync(0xffffffffu, factor, j);
+      void *const dj = lane_ptr(dst, j);
+      if (c < hidden) store1(dj, recv_dtype, c, scaled ? __fmul_rn(fj, x) : x);
+    }
   }
 }
 
