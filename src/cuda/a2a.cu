@@ -48,33 +48,28 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
     void *dst = NULL; /* lane j < m: the j-th send row, its scales and factor (copy_row_raw) */
     float *dscale = NULL, factor = 0.0f;
     int m = 0;
-    if (!s.expert_layout) {
-      for (int d = 0; d < R; d++) {
-        const uint32_t *bits = plan->rank_bits + (int64_t)d * W;
+    /* token layout: a row per rank d the token goes to; expert layout: a row per slot k */
+    for (int j = 0; j < (s.expert_layout ? K : R); j++) {
+      int64_t row;
+      float f = 1.0f;
+      if (!s.expert_layout) {
+        const uint32_t *bits = plan->rank_bits + (int64_t)j * W;
         if (!bit_set(bits, t)) continue;
-        const int64_t row = plan->send_base[d] + bit_rank(bits, plan->rank_pre + (int64_t)d * W, t);
+        row = plan->send_base[j] + bit_rank(bits, plan->rank_pre + (int64_t)j * W, t);
         if (lane == 0) b.send_token[row] = (int32_t)t;
-        if (lane == m) {
-          dst = row_at_mut(b.send_x, a.recv_dtype, row, H);
-          dscale = fp8 ? b.send_scales + row * blocks : NULL;
-          factor = 1.0f;
-        }
-        m++;
-      }
-    } else {
-      for (int k = 0; k < K; k++) {
-        const int e = plan->idx[t * K + k];
+      } else {
+        const int e = plan->idx[t * K + j];
         if (e < 0) continue;
-        const int64_t row = plan->pair_send_base[e] +
-                            bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
-        if (lane == 0) b.send_weight[row] = plan->weight[t * K + k];
-        if (lane == m) {
-          dst = row_at_mut(b.send_x, a.recv_dtype, row, H);
-          dscale = fp8 ? b.send_scales + row * blocks : NULL;
-          factor = plan->weight[t * K + k];
-        }
-        m++;
+        row = plan->pair_send_base[e] + bit_rank(plan->exp_bits + (int64_t)e * W, plan->exp_pre + (int64_t)e * W, t);
+        f = plan->weight[t * K + j];
+        if (lane == 0) b.send_weight[row] = f;
       }
+      if (lane == m) {
+        dst = row_at_mut(b.send_x, a.recv_dtype, row, H);
+        dscale = fp8 ? b.send_scales + row * blocks : NULL;
+        factor = f;
+      }
+      m++;
     }
     const void *in = row_at(a.x, a.x_dtype, t, H);
     if (raw)
