@@ -48,7 +48,7 @@ static __global__ void __launch_bounds__(EPXC_THREADS) permute_kernel(epxc_shape
     void *dst = NULL; /* lane j < m: the j-th send row, its scales and factor (copy_row_raw) */
     float *dscale = NULL, factor = 0.0f;
     int m = 0;
-    /* token layout: a row per rank d the token goes to; expert layout: a row per slot k */
+    /* token layout: a row per rank j the token goes to; expert layout: a row per slot j */
     for (int j = 0; j < (s.expert_layout ? K : R); j++) {
       int64_t row;
       float f = 1.0f;
