@@ -662,7 +662,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   }
 }
 
-static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
+static __global__ void __launch_bounds__(EPXC_LL_DISPATCH_THREADS, EPXC_LL_BLOCKS_PER_SM)
     ll_dispatch_kernel(const __grid_constant__ epxc_shape_t s, const __grid_constant__ epxc_group_t g,
                        const __grid_constant__ epxc_ll_bufs_t b, epxc_route_t route, epxc_dispatch_t a,
                        epxc_stamp_t stamp) {
@@ -706,7 +706,7 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, co
                                 void *stream) {
   const size_t smem = bitmap_smem(s->nranks, s->num_experts, s->max_tokens) +
                       route_smem(s->nranks, s->num_experts, s->topk, s->max_tokens);
-  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, *b, *r, *a, *stamp);
+  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, *b, *r, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
