@@ -622,9 +622,9 @@ static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, co
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
-/* Two half-size blocks per SM of the budget: the SM's 1024 threads, as a work kernel's one
- * block has, while the ranks x num_sms <= SM count rule still makes every block of every rank
- * on the GPU resident at once. */
+/* Two blocks per SM of the budget (config.cuh: 512 threads for the combine, filling the SM as a
+ * work kernel's one block does, 256 for the dispatch), while the ranks x num_sms <= SM count
+ * rule still makes every block of every rank on the GPU resident at once. */
 static int ll_blocks(const epxc_shape_t *s) { return EPXC_LL_BLOCKS_PER_SM * s->num_sms; }
 
 extern "C" size_t epxc_ll_smem(int R, int E, int64_t max_tokens) { return bitmap_smem(R, E, max_tokens); }
