@@ -20,9 +20,14 @@
 #define EPXC_THREADS 1024           /* work kernels: ht.cu, a2a.cu, stage.cu */
 #define EPXC_WARPS (EPXC_THREADS / EPXC_WARP)
 /* Low-latency kernels wait on their own first block, so all blocks of every rank sharing a
- * GPU must be resident at once: two half-size blocks per SM of the budget, at most 64
- * registers each, fill an SM exactly. */
-#define EPXC_LL_THREADS 512
+ * GPU must be resident at once: two blocks per SM of the budget. The combine's blocks have
+ * 512 threads at up to 64 registers each (two fill an SM): its sums want many loads in flight,
+ * and with 256 threads it took 11-19 us more. The dispatch's have 256 at up to 128: at 64 it
+ * spills (ptxas: 1468 bytes of spill stores, a 576-byte frame), and every block's arrival is an
+ * acquire, which empties L1, so the reloads went to L2 (H100: 1.5 us less at 2 ranks x 1 token,
+ * 3 at 2 x 128, 10 at 8 x 128; bench/RESULTS.md, 2026-12-07). */
+#define EPXC_LL_THREADS 512          /* the combine */
+#define EPXC_LL_DISPATCH_THREADS 256 /* the dispatch */
 #define EPXC_LL_BLOCKS_PER_SM 2
 /* Items a warp takes, on average, in the low-latency combine's claimed walk (ll.cu; 1, 2, 4
  * and 8 measured with the sums claimed too: 4 was fastest at 8 ranks, 8 slowest at 2) */
@@ -37,7 +42,8 @@
 
 static_assert(EPX_MAX_RANKS <= EPXC_EXCHANGE_THREADS, "the exchange gives every rank a thread");
 static_assert(EPX_MAX_RANKS <= EPXC_NOTIFY_THREADS, "notify's exchange gives every rank a thread");
-static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS, "the low-latency exchange and placement give every rank a thread");
+static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS && EPX_MAX_RANKS <= EPXC_LL_DISPATCH_THREADS,
+              "the low-latency exchange and placement give every rank a thread");
 
 /* ---- rows ------------------------------------------------------------------------------- */
 

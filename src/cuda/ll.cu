@@ -622,9 +622,9 @@ static __device__ void place_rows(const epxc_shape_t *s, const ll_geom_t *gm, co
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
-/* Two half-size blocks per SM of the budget: the SM's 1024 threads, as a work kernel's one
- * block has, while the ranks x num_sms <= SM count rule still makes every block of every rank
- * on the GPU resident at once. */
+/* Two blocks per SM of the budget (config.cuh: 512 threads for the combine, filling the SM as a
+ * work kernel's one block does, 256 for the dispatch), while the ranks x num_sms <= SM count
+ * rule still makes every block of every rank on the GPU resident at once. */
 static int ll_blocks(const epxc_shape_t *s) { return EPXC_LL_BLOCKS_PER_SM * s->num_sms; }
 
 extern "C" size_t epxc_ll_smem(int R, int E, int64_t max_tokens) { return bitmap_smem(R, E, max_tokens); }
@@ -662,7 +662,7 @@ static __device__ void dispatch_send(const epxc_shape_t *s, const epxc_group_t *
   }
 }
 
-static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
+static __global__ void __launch_bounds__(EPXC_LL_DISPATCH_THREADS, EPXC_LL_BLOCKS_PER_SM)
     ll_dispatch_kernel(const __grid_constant__ epxc_shape_t s, const __grid_constant__ epxc_group_t g,
                        const __grid_constant__ epxc_ll_bufs_t b, epxc_route_t route, epxc_dispatch_t a,
                        epxc_stamp_t stamp) {
@@ -706,7 +706,7 @@ extern "C" int epxc_ll_dispatch(const epxc_shape_t *s, const epxc_group_t *g, co
                                 void *stream) {
   const size_t smem = bitmap_smem(s->nranks, s->num_experts, s->max_tokens) +
                       route_smem(s->nranks, s->num_experts, s->topk, s->max_tokens);
-  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, *b, *r, *a, *stamp);
+  ll_dispatch_kernel<<<ll_blocks(s), EPXC_LL_DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*s, *g, *b, *r, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
