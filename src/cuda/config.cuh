@@ -23,9 +23,9 @@
  * GPU must be resident at once: two blocks per SM of the budget. The combine's blocks have
  * 512 threads at up to 64 registers each (two fill an SM): its sums want many loads in flight,
  * and with 256 threads it took 11-19 us more. The dispatch's have 256 at up to 128: at 64 it
- * spills (ptxas: 1468 bytes of spill stores, a 576-byte frame), and every block's arrival is an
- * acquire, which empties L1, so the reloads went to L2 (H100: 1.5 us less at 2 ranks x 1 token,
- * 3 at 2 x 128, 10 at 8 x 128; bench/RESULTS.md, 2026-12-07). */
+ * spills (ptxas: a 392-byte frame, 3208 bytes of spill stores, against 96 and 124), and every
+ * block's arrival is an acquire, which empties L1, so the reloads went to L2 (H100: 1.5 us less
+ * at 2 ranks x 1 token, 3 at 2 x 128, 10 at 8 x 128; bench/RESULTS.md, 2026-12-07). */
 #define EPXC_LL_THREADS 512          /* the combine */
 #define EPXC_LL_DISPATCH_THREADS 256 /* the dispatch */
 #define EPXC_LL_BLOCKS_PER_SM 2
