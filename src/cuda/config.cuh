@@ -26,7 +26,7 @@
  * spills (ptxas: a 392-byte frame, 3208 bytes of spill stores, against 96 and 124), and every
  * block's arrival is an acquire, which empties L1, so the reloads went to L2 (H100: 1.5 us less
  * at 2 ranks x 1 token, 3 at 2 x 128, 10 at 8 x 128; bench/RESULTS.md, 2026-12-07). */
-#define EPXC_LL_THREADS 512          /* the combine */
+#define EPXC_LL_COMBINE_THREADS 512  /* the combine */
 #define EPXC_LL_DISPATCH_THREADS 256 /* the dispatch */
 #define EPXC_LL_BLOCKS_PER_SM 2
 /* Items a warp takes, on average, in the low-latency combine's claimed walk (ll.cu; 1, 2, 4
@@ -42,7 +42,7 @@
 
 static_assert(EPX_MAX_RANKS <= EPXC_EXCHANGE_THREADS, "the exchange gives every rank a thread");
 static_assert(EPX_MAX_RANKS <= EPXC_NOTIFY_THREADS, "notify's exchange gives every rank a thread");
-static_assert(EPX_MAX_RANKS <= EPXC_LL_THREADS && EPX_MAX_RANKS <= EPXC_LL_DISPATCH_THREADS,
+static_assert(EPX_MAX_RANKS <= EPXC_LL_COMBINE_THREADS && EPX_MAX_RANKS <= EPXC_LL_DISPATCH_THREADS,
               "the low-latency exchange and placement give every rank a thread");
 
 /* ---- rows ------------------------------------------------------------------------------- */

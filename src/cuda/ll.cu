@@ -772,7 +772,7 @@ static __device__ void sum_tokens(const epxc_shape_t *s, const ll_geom_t *gm, co
   }
 }
 
-static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
+static __global__ void __launch_bounds__(EPXC_LL_COMBINE_THREADS, EPXC_LL_BLOCKS_PER_SM)
     ll_combine_kernel(const __grid_constant__ epxc_shape_t s, const __grid_constant__ epxc_group_t g,
                       const __grid_constant__ epxc_ll_bufs_t b, epxc_combine_t a, epxc_stamp_t stamp) {
   LL_TRACE_DECL;
@@ -821,7 +821,7 @@ static __global__ void __launch_bounds__(EPXC_LL_THREADS, EPXC_LL_BLOCKS_PER_SM)
 
 extern "C" int epxc_ll_combine(const epxc_shape_t *s, const epxc_group_t *g, const epxc_ll_bufs_t *b,
                                const epxc_combine_t *a, const epxc_stamp_t *stamp, void *stream) {
-  ll_combine_kernel<<<ll_blocks(s), EPXC_LL_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, *b, *a, *stamp);
+  ll_combine_kernel<<<ll_blocks(s), EPXC_LL_COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*s, *g, *b, *a, *stamp);
   return (int)cudaGetLastError();
 }
 
